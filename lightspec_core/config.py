@@ -1,0 +1,133 @@
+"""Validated configuration dataclasses: one per concern, parsed once at the edge.
+
+Every check raises ``ValueError`` naming the field and the bad value, so the Triton adapter can turn it
+into an ``INVALID_ARG`` response (per-request fields) or a model-load failure (config.pbtxt parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SpecMethod(str, Enum):
+    MTP = "mtp"
+    DRAFT = "draft"
+    NGRAM = "ngram"
+    NONE = "none"
+
+
+def _bad(name: str, value, why: str) -> ValueError:
+    return ValueError(f"{name}={value!r}: {why}")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation parameters (vLLM names; ``end_id`` as in TensorRT-LLM).
+
+    ``temperature == 0`` is greedy. ``num_draft_tokens`` caps speculation for this request
+    (``None``: engine default, ``0``: no speculation). Higher ``priority`` is admitted first and
+    preempted last.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    end_id: int | None = None
+    ignore_eos: bool = False
+    num_draft_tokens: int | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise _bad("max_tokens", self.max_tokens, "must be a positive integer")
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise _bad("temperature", self.temperature, "must be >= 0")
+        if not (0.0 < self.top_p <= 1.0):
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < 0:
+            raise _bad("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
+            raise _bad("num_draft_tokens", self.num_draft_tokens, "must be >= 0")
+        if self.seed is not None and self.seed < 0:
+            raise _bad("seed", self.seed, "must be >= 0")
+        if any(not s for s in self.stop):
+            raise _bad("stop", self.stop, "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def parse_policy(policy: str) -> tuple[str, int | None]:
+    """``"dynamic"`` | ``"off"`` | ``"static"`` | ``"static:K"`` -> (kind, fixed k or None)."""
+    if policy in ("dynamic", "off", "static"):
+        return policy, None
+    if policy.startswith("static:"):
+        try:
+            k = int(policy.split(":", 1)[1])
+        except ValueError:
+            raise _bad("policy", policy, "expected static:K with an integer K") from None
+        if k < 0:
+            raise _bad("policy", policy, "K must be >= 0")
+        return "static", k
+    raise _bad("policy", policy, "expected one of dynamic, off, static, static:K")
+
+
+@dataclass
+class EngineConfig:
+    """Engine configuration. ``model_dir=None`` uses the embedded default model.
+
+    KV memory is ``num_kv_blocks`` blocks of ``block_size`` tokens. Each step schedules at most
+    ``max_num_seqs`` requests and ``max_num_batched_tokens`` new tokens (prefill chunks + 1 + k per
+    decoding request).
+    """
+
+    model_dir: str | None = None
+    mtp_dir: str | None = None
+    draft_dir: str | None = None
+    speculation: str = "mtp"
+    policy: str = "dynamic"
+    max_draft_tokens: int = 4
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    pipeline_depth: int = 1
+    ngram_max: int = 3
+    ngram_min: int = 1
+    kv_high_water: float = 0.90
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            self.method = SpecMethod(self.speculation)
+        except ValueError:
+            raise _bad("speculation", self.speculation, "expected one of mtp, draft, ngram, none") from None
+        self.policy_kind, self.static_k = parse_policy(self.policy)
+        if not 0 <= self.max_draft_tokens <= 16:
+            raise _bad("max_draft_tokens", self.max_draft_tokens, "must be in 0..16")
+        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise _bad(name, v, "must be a positive integer")
+        if self.pipeline_depth not in (1, 2):
+            raise _bad("pipeline_depth", self.pipeline_depth, "must be 1 or 2")
+        if not 0.0 < self.kv_high_water <= 1.0:
+            raise _bad("kv_high_water", self.kv_high_water, "must be in (0, 1]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise _bad("ngram_min", self.ngram_min, "need 1 <= ngram_min <= ngram_max")
+        if self.static_k is not None and self.static_k > self.max_draft_tokens:
+            raise _bad("policy", self.policy, f"K exceeds max_draft_tokens={self.max_draft_tokens}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.method is not SpecMethod.NONE and self.policy_kind != "off" and self.max_draft_tokens > 0

@@ -1,0 +1,410 @@
+"""Llama-architecture transformer (RMSNorm, RoPE, SwiGLU, grouped-query attention) in plain torch.
+
+Two forward paths share the same weights:
+
+* ``forward_train(ids[B, T])``: contiguous causal attention, used by the training script;
+* ``forward_paged(batch, kv)``: one engine step over a *packed* batch (prefill chunks, decode and
+  verify tokens of several requests back to back, no padding between them) that writes K/V into a
+  paged pool addressed by block tables and returns final hidden states and logits only at the
+  requested positions.
+
+Parameter names follow the Hugging Face ``LlamaForCausalLM`` layout so that a checkpoint saved from
+here loads in ``transformers`` and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 1024
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_hf_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            torch_dtype="float32",
+        )
+        return d
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> LlamaConfig:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        known = {f for f in cls.__dataclass_fields__}
+        cfg = cls(**{k: v for k, v in raw.items() if k in known})
+        if raw.get("head_dim", cfg.head_dim) != cfg.head_dim:
+            raise ValueError(f"config.json: head_dim {raw['head_dim']} != hidden_size/num_attention_heads")
+        return cfg
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+class Rope(nn.Module):
+    """Rotary embedding in the Hugging Face (rotate-half, non-interleaved) convention."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [..., T, heads, head_dim], positions: [..., T]
+        cos = self.cos[positions].unsqueeze(-2)
+        sin = self.sin[positions].unsqueeze(-2)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class PagedBatch:
+    """Index tensors of one packed step, built once per step and shared by all layers.
+
+    N = total new tokens, B = requests, Q = longest query, C = longest context (in tokens).
+    """
+
+    input_ids: torch.Tensor  # int64 [N]
+    positions: torch.Tensor  # int64 [N]
+    slot_mapping: torch.Tensor  # int64 [N]   flat KV slot written by each new token
+    query_index: torch.Tensor  # int64 [N]   where token n sits in the padded [B*Q] query grid
+    context_slots: torch.Tensor  # int64 [B, C] flat KV slot of context position c of request b
+    attn_mask: torch.Tensor  # bool [B, 1, Q, C] True where query may attend to key
+    sample_indices: torch.Tensor  # int64 [M]   rows of the packed batch whose outputs are returned
+    num_requests: int
+    max_query: int
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: list[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+        sample_indices: torch.Tensor,
+    ) -> PagedBatch:
+        """Build the index tensors. ``positions`` of a request's new tokens must be consecutive;
+        its context is every position up to its last new token (earlier ones already in the pool)."""
+        num_req = len(query_lens)
+        qlens = torch.tensor(query_lens, dtype=torch.int64)
+        max_q = int(qlens.max())
+        req_of_token = torch.repeat_interleave(torch.arange(num_req), qlens)
+        starts = torch.cumsum(qlens, 0) - qlens
+        offset_in_req = torch.arange(len(input_ids)) - starts[req_of_token]
+        query_index = req_of_token * max_q + offset_in_req
+
+        bt = block_tables.to(torch.int64)
+        slot_mapping = bt[req_of_token, positions // block_size] * block_size + positions % block_size
+
+        last_pos = positions[starts + qlens - 1]  # [B]
+        ctx_lens = last_pos + 1
+        max_c = int(ctx_lens.max())
+        c = torch.arange(max_c)
+        blk_idx = (c // block_size).clamp(max=bt.shape[1] - 1)
+        context_slots = bt[:, blk_idx] * block_size + (c % block_size)  # [B, C]
+
+        q_pos = torch.full((num_req * max_q,), -1, dtype=torch.int64)
+        q_pos[query_index] = positions
+        q_pos = q_pos.view(num_req, max_q)
+        # key c visible to a query at position p iff c <= p; padded queries (p = -1) see nothing,
+        # so give them key 0 to keep softmax finite (their output is discarded).
+        mask = c.view(1, 1, max_c) <= q_pos.unsqueeze(-1)
+        mask[:, :, 0] |= q_pos < 0
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_index=query_index,
+            context_slots=context_slots,
+            attn_mask=mask.unsqueeze(1),
+            sample_indices=sample_indices,
+            num_requests=num_req,
+            max_query=max_q,
+        )
+
+
+class LlamaModel(nn.Module):
+    """Weights in the HF layout: ``model.*`` and ``lm_head``."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = Rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.apply(init_weights)
+
+    # ---- training path -------------------------------------------------------------------------
+    def forward_train(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> final normed hidden [B, T, H] (contiguous causal attention)."""
+        b, t = ids.shape
+        pos = torch.arange(t, device=ids.device)
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = self.rope(a.q_proj(h).view(b, t, a.n_heads, a.hd), pos).transpose(1, 2)
+            k = self.rope(a.k_proj(h).view(b, t, a.n_kv, a.hd), pos).transpose(1, 2)
+            v = a.v_proj(h).view(b, t, a.n_kv, a.hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    # ---- engine path ---------------------------------------------------------------------------
+    def new_kv_cache(self, num_blocks: int, block_size: int, dtype=torch.float32, device=None):
+        """KV pool [layers, 2, num_blocks * block_size, kv_heads, head_dim]."""
+        cfg = self.config
+        return torch.zeros(
+            cfg.num_hidden_layers,
+            2,
+            num_blocks * block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    @torch.inference_mode()
+    def forward_paged(self, batch: PagedBatch, kv: torch.Tensor) -> torch.Tensor:
+        """One packed step. Returns the final normed hidden states at ``batch.sample_indices`` [M, H].
+
+        New K/V are written first, then each request attends over its whole context gathered from
+        the pool; a rolled-back (rejected) position is simply overwritten by a later step, and keys
+        beyond a query's own position are masked, so stale slots are never read.
+        """
+        n = batch.input_ids.shape[0]
+        b, q_len = batch.num_requests, batch.max_query
+        x = self.model.embed_tokens(batch.input_ids)  # [N, H]
+        for li, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = self.rope(a.q_proj(h).view(n, a.n_heads, a.hd), batch.positions)
+            k = self.rope(a.k_proj(h).view(n, a.n_kv, a.hd), batch.positions)
+            v = a.v_proj(h).view(n, a.n_kv, a.hd)
+            kv[li, 0].index_copy_(0, batch.slot_mapping, k)
+            kv[li, 1].index_copy_(0, batch.slot_mapping, v)
+            keys = kv[li, 0][batch.context_slots].transpose(1, 2)  # [B, kvh, C, hd]
+            vals = kv[li, 1][batch.context_slots].transpose(1, 2)
+            qp = q.new_zeros(b * q_len, a.n_heads, a.hd)
+            qp[batch.query_index] = q
+            qp = qp.view(b, q_len, a.n_heads, a.hd).transpose(1, 2)  # [B, h, Q, hd]
+            o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=batch.attn_mask, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(b * q_len, -1)[batch.query_index]  # [N, h*hd]
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x[batch.sample_indices])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- checkpoint I/O ------------------------------------------------------------------------
+    def save(self, model_dir: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        (model_dir / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> LlamaModel:
+        from safetensors.torch import load_file
+
+        cfg = LlamaConfig.from_dir(model_dir)
+        m = cls(cfg)
+        state = load_file(str(Path(model_dir) / "model.safetensors"))
+        if cfg.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+        missing, unexpected = m.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{model_dir}: checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+        return m.eval()
+
+
+def init_weights(m: nn.Module, std: float = 0.02) -> None:
+    # HF Llama's initializer_range; nn.Embedding's default N(0, 1) makes tied logits explode.
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, 0.0, std)
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+@dataclass
+class MTPConfig:
+    num_heads: int = 4
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    rms_norm_eps: float = 1e-5
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, mtp_dir: str | Path) -> MTPConfig:
+        raw = json.loads((Path(mtp_dir) / "mtp_config.json").read_text())
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+class MTPHead(nn.Module):
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.proj = nn.Linear(2 * h, h, bias=False)
+        self.mlp_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size)
+        self.out_norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, state: torch.Tensor, tok_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """state, tok_emb [..., H] -> (next state [..., H], normed output for the LM head [..., H])."""
+        x = self.proj(torch.cat([self.hidden_norm(state), self.embed_norm(tok_emb)], dim=-1))
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, self.out_norm(x)
+
+
+class MTPHeads(nn.Module):
+    """K sequential multi-token-prediction heads sharing the target's embedding and LM head.
+
+    Head 1 takes the target's final hidden state at position t and the embedding of the token just
+    produced (t+1) and predicts token t+2; head i+1 takes head i's state and the embedding of head
+    i's draft token. Stateless: no KV cache of their own.
+    """
+
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        self.config = cfg
+        self.heads = nn.ModuleList(MTPHead(cfg) for _ in range(cfg.num_heads))
+        self.apply(init_weights)
+
+    @torch.inference_mode()
+    def propose(
+        self, target: LlamaModel, hidden: torch.Tensor, last_ids: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy/sampling-agnostic chain: hidden [B, H], last_ids [B] -> (draft ids [B, k],
+        draft logits [B, k, V]). The caller picks tokens from the logits where it samples; here the
+        chain continues with the argmax, which is what greedy verification accepts."""
+        state, tok = hidden, last_ids
+        ids, logits = [], []
+        emb = target.model.embed_tokens
+        for i in range(k):
+            state, out = self.heads[i](state, emb(tok))
+            lg = target.lm_head(out)
+            tok = lg.argmax(-1)
+            ids.append(tok)
+            logits.append(lg)
+        return torch.stack(ids, 1), torch.stack(logits, 1)
+
+    def save(self, mtp_dir: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        mtp_dir = Path(mtp_dir)
+        mtp_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(mtp_dir / "mtp.safetensors"))
+        d = asdict(self.config)
+        d.pop("extra")
+        (mtp_dir / "mtp_config.json").write_text(json.dumps(d, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, mtp_dir: str | Path) -> MTPHeads:
+        from safetensors.torch import load_file
+
+        m = cls(MTPConfig.from_dir(mtp_dir))
+        m.load_state_dict(load_file(str(Path(mtp_dir) / "mtp.safetensors")))
+        return m.eval()
+
+
+def cosine_lr(step_frac: float, peak: float, warmup_frac: float = 0.03) -> float:
+    if step_frac < warmup_frac:
+        return peak * step_frac / warmup_frac
+    p = min(1.0, (step_frac - warmup_frac) / (1 - warmup_frac))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))

@@ -1,0 +1,59 @@
+"""Turning logits into the distribution a request samples from, and sampling it reproducibly.
+
+The same transform (temperature, then top-k, then top-p) is applied to the target's logits and to a
+proposer's logits, so rejection sampling compares like with like and keeps exactly the target's
+*processed* distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def probs_from_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """logits [B, V], temperature/top_k/top_p [B] -> probabilities [B, V] (fp32).
+
+    Rows with temperature 0 become a one-hot on the argmax (greedy is the limit T -> 0).
+    top_k 0 disables top-k; top_p 1 disables nucleus filtering. Ties at the top-k threshold are kept.
+    """
+    logits = logits.float()
+    b, v = logits.shape
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    scaled = logits / t
+    k = torch.where((top_k <= 0) | (top_k >= v), torch.full_like(top_k, v), top_k)
+    if bool((k < v).any()):
+        sorted_desc = scaled.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if bool((top_p < 1).any()):
+        sp, idx = probs.sort(dim=-1, descending=True)
+        cum = sp.cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing the line is kept)
+        drop = (cum - sp) >= top_p.unsqueeze(1)
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(1, idx, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(1), onehot, probs)
+    return probs
+
+
+def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [B, V], u [B] in [0, 1) -> token ids [B].
+
+    Driving sampling with uniforms drawn by the engine from each request's own seeded generator
+    makes a request's output independent of which other requests share its batch or stage."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    idx = torch.searchsorted(cdf, (u.unsqueeze(1).to(cdf.dtype) * total).contiguous(), right=True)
+    idx = idx.squeeze(1).clamp(max=probs.shape[1] - 1)
+    # never land on a zero-probability token through float round-off at the right edge
+    bad = probs.gather(1, idx.unsqueeze(1)).squeeze(1) <= 0
+    if bool(bad.any()):
+        idx = torch.where(bad, probs.argmax(-1), idx)
+    return idx

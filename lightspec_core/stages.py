@@ -1,0 +1,187 @@
+"""Stage contract (what crosses the engine <-> stage boundary) and the in-process stage runners.
+
+The engine never touches torch modules directly: it sends plain numpy dataclasses to a stage
+through an :class:`Executor` and gets plain numpy dataclasses back. ``LocalExecutor`` calls the
+runners below in this process; the Triton backend's BLS executor sends the same fields, under the
+same names, as tensors to stage models that wrap the same runners. So every field here is a
+tensor name of the stage models (see README "Stage models").
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .model import LlamaModel, MTPHeads, PagedBatch
+from .sampling import probs_from_logits, sample_with_uniforms
+
+
+@dataclass
+class ModelCall:
+    """One packed step of a causal LM stage (target or draft model). N tokens, B requests."""
+
+    input_ids: np.ndarray  # int64 [N]
+    positions: np.ndarray  # int64 [N]
+    query_lens: np.ndarray  # int32 [B]
+    block_tables: np.ndarray  # int32 [B, max_blocks]
+    sample_indices: np.ndarray  # int64 [M] rows whose outputs are returned
+    return_logits: np.ndarray  # bool [1]  False: only top-1 ids (all-greedy batch)
+    return_hidden: np.ndarray  # bool [1]  True: final hidden states (for MTP heads)
+
+
+@dataclass
+class ModelResult:
+    top1_ids: np.ndarray  # int64 [M]
+    logits: np.ndarray  # fp32 [M, V], or [0, V] when not requested
+    hidden: np.ndarray  # fp32 [M, H], or [0, H] when not requested
+
+
+@dataclass
+class MTPCall:
+    """Chain of MTP heads for B requests; request b uses its first ``num_tokens[b]`` heads."""
+
+    hidden: np.ndarray  # fp32 [B, H] target hidden at the last verified position
+    last_ids: np.ndarray  # int64 [B] token just produced (the embedding head 1 sees)
+    num_tokens: np.ndarray  # int32 [B] k_b <= K
+    temperature: np.ndarray  # fp32 [B] 0 = greedy (argmax chain)
+    top_k: np.ndarray  # int32 [B]
+    top_p: np.ndarray  # fp32 [B]
+    uniforms: np.ndarray  # fp32 [B, K] per-request random draws (seeded by the engine)
+    return_probs: np.ndarray  # bool [1]
+
+
+@dataclass
+class MTPResult:
+    draft_ids: np.ndarray  # int64 [B, K] (positions >= k_b are -1)
+    draft_probs: np.ndarray  # fp32 [B, K, V] proposal distribution q, or [0, K, V]
+
+
+def to_tensors(obj) -> dict[str, np.ndarray]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def from_tensors(cls, tensors: dict[str, np.ndarray]):
+    missing = [f.name for f in fields(cls) if f.name not in tensors]
+    if missing:
+        raise ValueError(f"{cls.__name__}: missing tensors {missing}")
+    return cls(**{f.name: tensors[f.name] for f in fields(cls)})
+
+
+class ModelRunner:
+    """Owns one causal LM's weights and its paged KV pool; executes packed steps."""
+
+    def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, device: str = "cpu"):
+        self.model = LlamaModel.load(model_dir).to(device)
+        self.config = self.model.config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.kv = self.model.new_kv_cache(num_blocks, block_size, device=device)
+
+    def execute(self, call: ModelCall) -> ModelResult:
+        dev = self.device
+        batch = PagedBatch.build(
+            torch.from_numpy(np.ascontiguousarray(call.input_ids, dtype=np.int64)).to(dev),
+            torch.from_numpy(np.ascontiguousarray(call.positions, dtype=np.int64)).to(dev),
+            [int(q) for q in call.query_lens],
+            torch.from_numpy(np.ascontiguousarray(call.block_tables, dtype=np.int32)).to(dev),
+            self.block_size,
+            torch.from_numpy(np.ascontiguousarray(call.sample_indices, dtype=np.int64)).to(dev),
+        )
+        with torch.inference_mode():
+            hidden = self.model.forward_paged(batch, self.kv)
+            logits = self.model.logits(hidden)
+        h, v = self.config.hidden_size, self.config.vocab_size
+        return ModelResult(
+            top1_ids=logits.argmax(-1).cpu().numpy(),
+            logits=logits.float().cpu().numpy() if call.return_logits[0] else np.zeros((0, v), np.float32),
+            hidden=hidden.float().cpu().numpy() if call.return_hidden[0] else np.zeros((0, h), np.float32),
+        )
+
+
+class MTPRunner:
+    """The MTP heads plus the target's embedding and LM head they share (weights only, no KV)."""
+
+    def __init__(self, model_dir: str | Path, mtp_dir: str | Path, device: str = "cpu"):
+        self.target = LlamaModel.load(model_dir).to(device)
+        # Only embedding, final norm and LM head are used; drop the layers to save memory.
+        self.target.model.layers = torch.nn.ModuleList()
+        self.heads = MTPHeads.load(mtp_dir).to(device)
+        self.num_heads = self.heads.config.num_heads
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, call: MTPCall) -> MTPResult:
+        dev = self.device
+        b = len(call.last_ids)
+        kmax = int(call.num_tokens.max()) if b else 0
+        big_k = call.uniforms.shape[1]
+        if kmax > self.num_heads:
+            raise ValueError(f"num_tokens: {kmax} draft tokens requested but the model has {self.num_heads} MTP heads")
+        state = torch.from_numpy(np.ascontiguousarray(call.hidden, dtype=np.float32)).to(dev)
+        tok = torch.from_numpy(np.ascontiguousarray(call.last_ids, dtype=np.int64)).to(dev)
+        temp = torch.from_numpy(np.asarray(call.temperature, np.float32)).to(dev)
+        top_k = torch.from_numpy(np.asarray(call.top_k, np.int64)).to(dev)
+        top_p = torch.from_numpy(np.asarray(call.top_p, np.float32)).to(dev)
+        u = torch.from_numpy(np.asarray(call.uniforms, np.float32)).to(dev)
+        want_probs = bool(call.return_probs[0])
+        greedy = temp == 0
+        ids = torch.full((b, big_k), -1, dtype=torch.int64)
+        v = self.target.config.vocab_size
+        probs_out = torch.zeros((b, big_k, v) if want_probs else (0, big_k, v), dtype=torch.float32)
+        emb = self.target.model.embed_tokens
+        for i in range(kmax):
+            state, out = self.heads.heads[i](state, emb(tok))
+            logits = self.target.lm_head(out)
+            tok = logits.argmax(-1)
+            if want_probs and not bool(greedy.all()):
+                q = probs_from_logits(logits, temp, top_k, top_p)
+                sampled = sample_with_uniforms(q, u[:, i])
+                tok = torch.where(greedy, tok, sampled)
+                probs_out[:, i] = q.cpu()
+            ids[:, i] = tok.cpu()
+        active = torch.arange(big_k).unsqueeze(0) < torch.from_numpy(np.asarray(call.num_tokens, np.int64)).unsqueeze(1)
+        ids[~active] = -1
+        return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy())
+
+
+class Executor(Protocol):
+    """How the engine reaches its stages. ``submit`` must not block on the stage's work when the
+    engine pipelines (depth 2); results arrive through the future."""
+
+    def submit(self, stage: str, call) -> Future: ...
+
+    def close(self) -> None: ...
+
+
+class LocalExecutor:
+    """Runs stages in this process. With ``threaded=True`` each stage has one worker thread (like
+    one Triton model instance), so a target call and an MTP/draft call can overlap; torch releases
+    the GIL inside its kernels."""
+
+    def __init__(self, runners: dict[str, object], threaded: bool = False):
+        self.runners = runners
+        self.threaded = threaded
+        self._pools = {name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in runners} if threaded else {}
+        self._lock = threading.Lock()
+
+    def submit(self, stage: str, call) -> Future:
+        runner = self.runners[stage]
+        if self.threaded:
+            return self._pools[stage].submit(runner.execute, call)
+        fut: Future = Future()
+        try:
+            fut.set_result(runner.execute(call))
+        except Exception as e:  # surfaced to the engine through the future, like a BLS error
+            fut.set_exception(e)
+        return fut
+
+    def close(self) -> None:
+        for p in self._pools.values():
+            p.shutdown(wait=True)
