@@ -1,0 +1,384 @@
+"""LLMEngine: the step loop. ``plan = schedule(); drafts = propose(plan); out = target(plan, drafts);
+update(plan, out)``, with up to ``pipeline_depth`` micro-batches in flight.
+
+With depth 2 the engine launches micro-batch B (schedule, propose on the MTP/draft stage, submit to the
+target stage) while micro-batch A is still being verified by the target stage, so the stages of
+different micro-batches overlap; results are consumed in launch order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+import time
+from collections import deque
+from dataclasses import dataclass
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig, SamplingParams, SpecMethod
+from .model import LlamaConfig
+from .outputs import RequestDelta, RequestOutput
+from .policy import AcceptanceStats, CostModel, DynamicPolicy, StaticPolicy
+from .proposers import DraftModelProposer, MTPProposer, NgramProposer, NoProposer, Proposal
+from .sampling import probs_from_logits
+from .scheduler import Scheduler, StepPlan
+from .sequence import Sequence, Status
+from .stages import Executor, LocalExecutor, ModelCall, ModelRunner, MTPRunner
+from .stats import RuntimeStats
+from .tokenizer import IncrementalDetokenizer, TokenizerInfo
+from .verify import verify_greedy, verify_rejection
+
+DEFAULT_MODEL_ROOT = Path(__file__).parent / "default_model"
+
+
+def default_model_dir() -> str:
+    """Directory of the embedded default target checkpoint (HF layout)."""
+    return str(DEFAULT_MODEL_ROOT / "target")
+
+
+def resolve_dirs(cfg: EngineConfig) -> tuple[str, str, str]:
+    """(target, mtp, draft) checkpoint directories; MTP heads and draft model default to the
+    siblings ``mtp`` and ``draft`` of the target directory."""
+    target = cfg.model_dir or default_model_dir()
+    parent = Path(target).parent
+    return target, cfg.mtp_dir or str(parent / "mtp"), cfg.draft_dir or str(parent / "draft")
+
+
+def build_local_executor(cfg: EngineConfig) -> LocalExecutor:
+    target, mtp, draft = resolve_dirs(cfg)
+    runners: dict[str, object] = {"target": ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, cfg.device)}
+    if cfg.method is SpecMethod.MTP:
+        runners["mtp"] = MTPRunner(target, mtp, cfg.device)
+    elif cfg.method is SpecMethod.DRAFT:
+        runners["draft"] = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, cfg.device)
+    return LocalExecutor(runners, threaded=cfg.pipeline_depth > 1)
+
+
+@dataclass
+class InFlight:
+    plan: StepPlan
+    proposals: list[Proposal]
+    future: Future
+    rows: list[list[int]]  # per plan item: rows of the target output to verify (empty: no sample)
+    t_launch: float
+    num_drafts: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None):
+        self.config = cfg = config or EngineConfig()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        target_dir, _, _ = resolve_dirs(cfg)
+        self.model_config = LlamaConfig.from_dir(target_dir)
+        self.tok = TokenizerInfo.from_dir(target_dir)
+        self.tokenizer = self.tok.tokenizer
+        pool_tokens = cfg.num_kv_blocks * cfg.block_size
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings, pool_tokens)
+        self.executor = executor if executor is not None else build_local_executor(cfg)
+        k = cfg.max_draft_tokens if cfg.speculative else 0
+        self.stats = RuntimeStats(max(k, 1))
+        self.acceptance = AcceptanceStats(max(k, 1))
+        self.cost = CostModel()
+        policy = DynamicPolicy(self.cost) if cfg.policy_kind == "dynamic" else StaticPolicy(cfg.static_k or 0)
+        if cfg.policy_kind == "static" and cfg.static_k is None:
+            policy = StaticPolicy(cfg.max_draft_tokens)
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, policy, self.acceptance, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   k, cfg.kv_high_water, cfg.speculative)
+        self.proposer = self._make_proposer(k)
+        self.seqs: dict[str, Sequence] = {}
+        self._inflight: deque[InFlight] = deque()
+        self._aborts: list[str] = []
+        self._arrivals = itertools.count()
+
+    def _make_proposer(self, k: int):
+        m = self.config.method
+        if k == 0 or m is SpecMethod.NONE:
+            return NoProposer()
+        if m is SpecMethod.MTP:
+            return MTPProposer(self.executor, k)
+        if m is SpecMethod.DRAFT:
+            return DraftModelProposer(self.executor)
+        return NgramProposer(self.config.ngram_max, self.config.ngram_min)
+
+    # ---- public API ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.seqs:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        ids = self.tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt: empty prompt")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens, the context holds {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
+                             f"context of {self.max_model_len} tokens")
+        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tok),
+                       seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()), arrival=next(self._arrivals))
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.counters["prompt_tokens_total"] += len(ids)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; the next ``step()`` returns its final ``cancelled`` delta."""
+        self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs) or bool(self._inflight)
+
+    def step(self) -> list[RequestDelta]:
+        deltas = self._process_aborts()
+        depth = self.config.pipeline_depth
+        while len(self._inflight) < depth:
+            busy = {it.seq.request_id for f in self._inflight for it in f.plan.items}
+            active = len(self.scheduler.running) + len(self.scheduler.waiting)
+            cap = None if depth == 1 else max(1, -(-active // depth))
+            plan = self.scheduler.schedule(busy, cap)
+            if plan is None:
+                break
+            self.stats.observe_decision(plan.decision_seconds, plan.ks)
+            self._inflight.append(self._launch(plan))
+        if self._inflight:
+            deltas += self._complete(self._inflight.popleft())
+        self._update_gauges()
+        return deltas
+
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        base = f"gen-{next(self._arrivals)}-"
+        outs: dict[str, RequestOutput] = {}
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            rid = base + str(i)
+            self.add_request(rid, p, sp)
+            outs[rid] = RequestOutput(rid, list(self.seqs[rid].token_ids))
+        pending = set(outs)
+        while pending:
+            for d in self.step():
+                o = outs.get(d.request_id)
+                if o is None:
+                    continue
+                o.output_token_ids += d.new_token_ids
+                o.text += d.new_text
+                if d.finished:
+                    o.finish_reason, o.error = d.finish_reason, d.error
+                    o.num_draft_tokens, o.num_accepted_tokens = d.num_draft_tokens, d.num_accepted_tokens
+                    pending.discard(d.request_id)
+        return list(outs.values())
+
+    def close(self) -> None:
+        self.executor.close()
+
+    # ---- launch: propose drafts and submit the target step --------------------------------------
+    def _launch(self, plan: StepPlan) -> InFlight:
+        t0 = time.perf_counter()
+        tables = [self.blocks.table(it.seq.request_id) for it in plan.items]
+        props = self.proposer.propose([it.seq for it in plan.items], [it.k for it in plan.items], tables)
+        t1 = time.perf_counter()
+        if any(it.k for it in plan.items):
+            self.stats.observe("stage_latency_seconds", t1 - t0, {"stage": self.config.method.value})
+        ids: list[int] = []
+        pos: list[int] = []
+        qlens: list[int] = []
+        rows: list[list[int]] = []
+        for it, pr in zip(plan.items, props):
+            seq = it.seq
+            drafts = pr.draft_ids[: it.k]
+            toks = seq.token_ids[it.start : it.start + it.num_new] + drafts
+            base = len(ids)
+            ids += toks
+            pos += range(it.start, it.start + len(toks))
+            qlens.append(len(toks))
+            rows.append(list(range(base + it.num_new - 1, base + len(toks))) if it.samples else [])
+        width = max(len(t) for t in tables)
+        bt = np.zeros((len(tables), width), np.int32)
+        for r, t in enumerate(tables):
+            bt[r, : len(t)] = t
+        sample_rows = [r for rr in rows for r in rr]
+        sampling = any(it.samples and not it.seq.params.greedy for it in plan.items)
+        call = ModelCall(
+            input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
+            query_lens=np.array(qlens, np.int32), block_tables=bt,
+            sample_indices=np.array(sample_rows, np.int64),
+            return_logits=np.array([sampling]),
+            return_hidden=np.array([self.config.method is SpecMethod.MTP and self.config.speculative]),
+        )
+        # rows relative to the returned (sampled) outputs
+        out_rows, n = [], 0
+        for rr in rows:
+            out_rows.append(list(range(n, n + len(rr))))
+            n += len(rr)
+        fut = self.executor.submit("target", call)
+        return InFlight(plan, props, fut, out_rows, t0, sum(len(p.draft_ids) for p in props))
+
+    # ---- complete: verify, update, emit --------------------------------------------------------
+    def _complete(self, f: InFlight) -> list[RequestDelta]:
+        t_wait = time.perf_counter()
+        try:
+            res = f.future.result()
+        except Exception as e:  # a stage failure fails this micro-batch only; the engine goes on
+            return [d for it in f.plan.items if (d := self._finish(it.seq, "error", f"stage failure: {e}"))]
+        t_done = time.perf_counter()
+        self.stats.observe("stage_latency_seconds", t_done - t_wait if self.config.pipeline_depth == 1 else
+                           t_done - f.t_launch, {"stage": "target"})
+        self.cost.observe(f.plan.num_tokens, f.num_drafts, t_done - f.t_launch)
+        self.stats.counters["engine_steps_total"] += 1
+        deltas = []
+        for it, pr, rows in zip(f.plan.items, f.proposals, f.rows):
+            seq = it.seq
+            if seq.aborted or seq.status is Status.FINISHED:
+                if seq.aborted and seq.status is not Status.FINISHED:
+                    deltas.append(self._finish(seq, "cancelled"))
+                continue
+            if seq.status is not Status.RUNNING:  # preempted while in flight: recomputed later
+                continue
+            if not rows:
+                seq.num_computed += it.num_new
+                self.blocks.set_used(seq.request_id, seq.num_computed)
+                continue
+            drafts = pr.draft_ids[: it.k]
+            if seq.params.greedy:
+                tokens = verify_greedy(drafts, res.top1_ids[rows].tolist())
+            else:
+                p = self._target_probs(seq, res.logits[rows])
+                q = pr.q[: len(drafts)] if pr.q is not None else None
+                tokens = verify_rejection(drafts, q, p, seq.rng)
+            accepted = len(tokens) - 1
+            if drafts:
+                seq.record_acceptance(len(drafts), accepted)
+                self.acceptance.observe(len(drafts), accepted)
+                self.stats.observe_verification(len(drafts), accepted)
+            seq.num_computed += it.num_new + accepted
+            seq.num_steps += 1
+            seq.warm = True
+            if self.config.method is SpecMethod.MTP and len(res.hidden):
+                seq.last_hidden = res.hidden[rows[accepted]]
+            seq.draft_computed = min(seq.draft_computed, seq.num_computed)
+            d = self._append(seq, tokens)
+            if d is not None:
+                deltas.append(d)
+            if seq.status is Status.RUNNING:
+                self.blocks.trim(seq.request_id, seq.num_tokens)
+                self.blocks.set_used(seq.request_id, seq.num_computed)
+        return deltas
+
+    def _target_probs(self, seq: Sequence, logits: np.ndarray) -> np.ndarray:
+        n = logits.shape[0]
+        sp = seq.params
+        return probs_from_logits(
+            torch.from_numpy(logits), torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.int64),
+            torch.full((n,), sp.top_p),
+        ).numpy()
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> RequestDelta | None:
+        sp = seq.params
+        eos = self.model_config.eos_token_id
+        now = time.perf_counter()
+        if seq.t_first_token is None:
+            seq.t_first_token = now
+            self.stats.observe("time_to_first_token_seconds", now - seq.t_arrival)
+        elif seq.t_last_token is not None:
+            self.stats.observe("time_per_output_token_seconds", (now - seq.t_last_token) / len(tokens))
+        seq.t_last_token = now
+        reason = None
+        for t in tokens:
+            seq.token_ids.append(t)
+            seq.text += seq.detok.push(t)
+            self.stats.counters["generation_tokens_total"] += 1
+            if t == sp.end_id or (not sp.ignore_eos and t == eos):
+                reason = "stop"
+            elif sp.stop and self._truncate_at_stop(seq):
+                return self._finish(seq, "stop", flush=False)
+            elif seq.num_output >= sp.max_tokens:
+                reason = "length"
+            if reason:
+                return self._finish(seq, reason)
+        return self._delta(seq)
+
+    def _truncate_at_stop(self, seq: Sequence) -> bool:
+        window = max(len(s) for s in seq.params.stop) + 8
+        tail_start = max(0, len(seq.text) - window)
+        hits = [i for s in seq.params.stop if (i := seq.text.find(s, tail_start)) >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[: min(hits)]
+        return True
+
+    def _sendable_chars(self, seq: Sequence) -> int:
+        """Hold back a text tail that could be the start of a stop string, so no text that belongs to
+        a stop string is ever streamed."""
+        text = seq.text
+        hold = 0
+        for s in seq.params.stop:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return len(text) - hold
+
+    def _delta(self, seq: Sequence, finished: bool = False) -> RequestDelta | None:
+        end = len(seq.text) if finished else self._sendable_chars(seq)
+        new_ids = seq.output_ids[seq.sent_tokens:]
+        new_text = seq.text[seq.sent_chars:end] if end > seq.sent_chars else ""
+        if not new_ids and not new_text and not finished:
+            return None
+        seq.sent_tokens = seq.num_output
+        seq.sent_chars = max(seq.sent_chars, end)
+        return RequestDelta(
+            request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
+            finish_reason=seq.finish_reason, error=seq.error, num_prompt_tokens=seq.prompt_len,
+            num_output_tokens=seq.num_output, num_draft_tokens=seq.num_draft, num_accepted_tokens=seq.num_accepted,
+        )
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True) -> RequestDelta | None:
+        if seq.status is Status.FINISHED:
+            return None
+        if flush:  # an incomplete UTF-8 tail becomes U+FFFD, as a full decode would show it
+            seq.text += seq.detok.flush()
+        seq.finish_reason, seq.error = reason, error
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        self.seqs.pop(seq.request_id, None)
+        now = time.perf_counter()
+        self.stats.observe("e2e_request_latency_seconds", now - seq.t_arrival)
+        self.stats.counters["request_success_total" if reason in ("length", "stop") else "request_failure_total"] += 1
+        return self._delta(seq, finished=True)
+
+    def _process_aborts(self) -> list[RequestDelta]:
+        deltas = []
+        busy = {it.seq.request_id for f in self._inflight for it in f.plan.items}
+        for rid in self._aborts:
+            seq = self.seqs.get(rid)
+            if seq is None:
+                continue
+            seq.aborted = True
+            if rid not in busy:  # in-flight ones finish when their micro-batch returns
+                d = self._finish(seq, "cancelled")
+                if d:
+                    deltas.append(d)
+        self._aborts.clear()
+        return deltas
+
+    def _update_gauges(self) -> None:
+        g = self.stats.gauges
+        g["num_requests_running"] = len(self.scheduler.running)
+        g["num_requests_waiting"] = len(self.scheduler.waiting)
+        g["kv_cache_usage_ratio"] = self.blocks.usage()
+        g["kv_cache_fragmentation_ratio"] = self.blocks.fragmentation()
+        g["stage_inflight_calls"] = len(self._inflight)
+        self.stats.counters["num_preemptions_total"] = self.scheduler.num_preemptions

@@ -1,0 +1,151 @@
+"""Speculation policies: how many draft tokens k_i each decoding request gets this step.
+
+Dynamic policy (goodput maximisation). For request i with conditional acceptance rates
+α_{i,1..K} (α_{i,j} = P(draft j accepted | drafts 1..j-1 accepted)), k drafts yield in expectation
+
+    E_i(k) = 1 + Σ_{j<=k} Π_{m<=j} α_{i,m}            (the 1 is the bonus / plain token)
+
+and a step with N verified tokens and D drafted tokens costs, by an online linear fit,
+
+    T(N, D) = c0 + c_tok · N + c_draft · D .
+
+Goodput G = Σ_i E_i(k_i) / T. Adding one draft slot to request i adds g = Π_{m<=k_i+1} α_{i,m} tokens
+and c = c_tok + c_draft seconds, and raises G iff g / c > G. Since every g_i shrinks as k_i grows,
+handing out slots one at a time to the request with the largest g (a heap) until the test fails is
+optimal for this cost model. Worked example: one request, α = 0.8 at every position, c0 = 10 ms,
+c = 1 ms: G starts at 1/10; slot 1 adds 0.8 tokens for 1 ms (0.8 > 0.1 → take), slot 2 adds 0.64,
+... every slot is taken up to K. At 64 requests with c0 = 10 ms and c_tok = 1 ms per token,
+G = 64/74 = 0.86 tokens/ms, so only requests with α above 0.86 get a draft slot.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class CostModel:
+    """Recursive least squares fit of step seconds = c0 + c_tok·N + c_draft·D with forgetting.
+
+    Starts from a prior (so it is usable before any measurement) and follows changes in load or
+    machine speed; directions the data never excites stay at the prior."""
+
+    def __init__(self, prior=(3e-3, 1e-4, 1e-4), forget: float = 0.98, noise_var: float = 1e-6):
+        self.theta = np.array(prior, dtype=np.float64)
+        # prior covariance: c0 known to ~10 ms, per-token costs to ~0.3 ms
+        self.P0 = np.diag([1e-4, 1e-7, 1e-7])
+        self.P = self.P0.copy()
+        self.forget = forget
+        self.noise_var = noise_var
+        self.n = 0
+
+    def predict(self, tokens: float, drafts: float) -> float:
+        return float(self.theta @ np.array([1.0, tokens, drafts]))
+
+    def observe(self, tokens: int, drafts: int, seconds: float) -> None:
+        x = np.array([1.0, float(tokens), float(drafts)])
+        px = self.P @ x
+        gain = px / (self.forget * self.noise_var + x @ px)
+        self.theta = self.theta + gain * (seconds - x @ self.theta)
+        self.P = (self.P - np.outer(gain, px)) / self.forget
+        # forgetting inflates P in directions the data never excites (RLS wind-up): cap it at the prior
+        if np.trace(self.P) > np.trace(self.P0):
+            self.P *= np.trace(self.P0) / np.trace(self.P)
+        # keep the fit physical: a token never costs negative time
+        self.theta = np.maximum(self.theta, [1e-5, 1e-7, 1e-7])
+        self.n += 1
+
+    @property
+    def per_token(self) -> float:
+        return float(self.theta[1])
+
+    @property
+    def per_draft(self) -> float:
+        return float(self.theta[2])
+
+
+class AcceptanceStats:
+    """Global per-position conditional acceptance counts (decayed), the prior for young requests."""
+
+    def __init__(self, max_k: int, prior: float = 0.6, decay: float = 0.999):
+        self.reached = np.full(max(max_k, 1), 4.0)
+        self.accepted = self.reached * prior
+        self.decay = decay
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        reach = min(drafted, accepted + 1)
+        self.reached *= self.decay
+        self.accepted *= self.decay
+        self.reached[:reach] += 1
+        self.accepted[:accepted] += 1
+
+    def rates(self) -> np.ndarray:
+        return self.accepted / self.reached
+
+
+def request_alphas(pos_reached: list[float], pos_accepted: list[float], global_rates: np.ndarray,
+                   k: int, strength: float = 4.0) -> list[float]:
+    """Per-request rates smoothed toward the global ones while the request has little history."""
+    out = []
+    for j in range(k):
+        r = pos_reached[j] if j < len(pos_reached) else 0.0
+        a = pos_accepted[j] if j < len(pos_accepted) else 0.0
+        out.append((a + strength * global_rates[j]) / (r + strength))
+    return out
+
+
+@dataclass
+class PolicyInput:
+    """One decoding request as the policy sees it."""
+
+    limit: int  # max k allowed (per-request cap, engine K, KV headroom, remaining max_tokens)
+    alphas: list[float]  # conditional acceptance estimates, len >= limit
+
+
+class DynamicPolicy:
+    name = "dynamic"
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+
+    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
+        ks = [0] * len(reqs)
+        tokens = base_tokens
+        expected = float(len(reqs))
+        t = self.cost.predict(base_tokens, 0)
+        c = self.cost.per_token + self.cost.per_draft
+        heap = [(-r.alphas[0], i, r.alphas[0]) for i, r in enumerate(reqs) if r.limit > 0]
+        heapq.heapify(heap)
+        while heap and tokens < token_budget:
+            _, i, g = heap[0]
+            if g * t <= expected * c:  # g / c <= G: one more slot would lower goodput
+                break
+            heapq.heappop(heap)
+            ks[i] += 1
+            expected += g
+            t += c
+            tokens += 1
+            r = reqs[i]
+            if ks[i] < r.limit:
+                g2 = g * r.alphas[ks[i]]
+                heapq.heappush(heap, (-g2, i, g2))
+        return ks
+
+
+class StaticPolicy:
+    def __init__(self, k: int):
+        self.k = k
+        self.name = f"static:{k}"
+
+    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
+        room = token_budget - base_tokens
+        ks = []
+        for r in reqs:
+            k = max(0, min(self.k, r.limit, room))
+            room -= k
+            ks.append(k)
+        return ks

@@ -1,0 +1,179 @@
+"""Draft proposers behind one small protocol, one class per method.
+
+``propose(seqs, ks)`` returns, for each sequence, its draft token ids (at most ``ks[i]``) and the
+proposal distribution q [k, V] they were drawn from (``None`` for a deterministic proposer, which
+rejection sampling treats as a point mass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .sampling import probs_from_logits
+from .sequence import Sequence
+from .stages import Executor, MTPCall, ModelCall
+
+
+@dataclass
+class Proposal:
+    draft_ids: list[int]
+    q: np.ndarray | None  # fp32 [len(draft_ids), V]
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], ks: list[int], tables: list[list[int]]) -> list[Proposal]: ...
+
+
+EMPTY = Proposal([], None)
+
+
+def _sampling_arrays(seqs: list[Sequence]):
+    temp = np.array([s.params.temperature for s in seqs], np.float32)
+    top_k = np.array([s.params.top_k for s in seqs], np.int32)
+    top_p = np.array([s.params.top_p for s in seqs], np.float32)
+    return temp, top_k, top_p
+
+
+class NoProposer:
+    def propose(self, seqs, ks, tables):
+        return [EMPTY for _ in seqs]
+
+
+class MTPProposer:
+    """Chain of the target's MTP heads, run on the ``mtp`` stage."""
+
+    def __init__(self, executor: Executor, max_k: int):
+        self.executor = executor
+        self.max_k = max_k
+
+    def propose(self, seqs, ks, tables):
+        idx = [i for i, k in enumerate(ks) if k > 0]
+        out = [EMPTY for _ in seqs]
+        if not idx:
+            return out
+        sub = [seqs[i] for i in idx]
+        temp, top_k, top_p = _sampling_arrays(sub)
+        call = MTPCall(
+            hidden=np.stack([s.last_hidden for s in sub]).astype(np.float32),
+            last_ids=np.array([s.token_ids[-1] for s in sub], np.int64),
+            num_tokens=np.array([ks[i] for i in idx], np.int32),
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            uniforms=np.stack([s.rng.random(self.max_k, dtype=np.float32) if not s.params.greedy
+                               else np.zeros(self.max_k, np.float32) for s in sub]),
+            return_probs=np.array([bool((temp > 0).any())]),
+        )
+        res = self.executor.submit("mtp", call).result()
+        for row, i in enumerate(idx):
+            k = ks[i]
+            q = res.draft_probs[row, :k] if seqs[i].params.temperature > 0 else None
+            out[i] = Proposal([int(t) for t in res.draft_ids[row, :k]], q)
+        return out
+
+
+class DraftModelProposer:
+    """A small causal LM on the ``draft`` stage with its own KV pool, addressed by the same block
+    tables as the target's (the lookahead blocks reserved for drafts cover its writes).
+
+    It first catches up on the tokens it has not seen (prompt, accepted tokens, bonus), then feeds
+    its own drafts one at a time. K/V of a draft that is later rejected is simply overwritten: the
+    engine lowers ``draft_computed`` to the verified length."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+
+    def _pick(self, seqs, logits: np.ndarray, top1: np.ndarray) -> tuple[list[int], list[np.ndarray | None]]:
+        temp, top_k, top_p = _sampling_arrays(seqs)
+        if not (temp > 0).any():
+            return [int(t) for t in top1], [None] * len(seqs)
+        probs = probs_from_logits(torch.from_numpy(logits), torch.from_numpy(temp),
+                                  torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(top_p)).numpy()
+        toks, qs = [], []
+        for s, pr, t1 in zip(seqs, probs, top1):
+            if s.params.greedy:
+                toks.append(int(t1))
+                qs.append(None)
+            else:
+                cdf = np.cumsum(pr, dtype=np.float64)
+                toks.append(min(int(np.searchsorted(cdf, s.rng.random() * cdf[-1], side="right")), len(pr) - 1))
+                qs.append(pr)
+        return toks, qs
+
+    def _call(self, seqs, inputs: list[list[int]], starts: list[int], tables, want_logits: bool):
+        ids = np.array([t for toks in inputs for t in toks], np.int64)
+        pos = np.array([p for toks, s in zip(inputs, starts) for p in range(s, s + len(toks))], np.int64)
+        qlens = np.array([len(t) for t in inputs], np.int32)
+        width = max(len(t) for t in tables)
+        bt = np.zeros((len(tables), width), np.int32)
+        for r, t in enumerate(tables):
+            bt[r, : len(t)] = t
+        call = ModelCall(
+            input_ids=ids, positions=pos, query_lens=qlens, block_tables=bt,
+            sample_indices=(np.cumsum(qlens) - 1).astype(np.int64),
+            return_logits=np.array([want_logits]), return_hidden=np.array([False]),
+        )
+        res = self.executor.submit("draft", call).result()
+        return self._pick(seqs, res.logits, res.top1_ids)
+
+    def propose(self, seqs, ks, tables):
+        idx = [i for i, k in enumerate(ks) if k > 0]
+        out = [EMPTY for _ in seqs]
+        if not idx:
+            return out
+        sub = [seqs[i] for i in idx]
+        sub_tables = [tables[i] for i in idx]
+        want = any(s.params.temperature > 0 for s in sub)
+        drafts: list[list[int]] = [[] for _ in sub]
+        qs: list[list[np.ndarray]] = [[] for _ in sub]
+        # catch up: every unseen known token, sample after the newest one
+        inputs = [s.token_ids[s.draft_computed:] for s in sub]
+        starts = [s.draft_computed for s in sub]
+        toks, q = self._call(sub, inputs, starts, sub_tables, want)
+        for r, s in enumerate(sub):
+            s.draft_computed = s.num_tokens
+            drafts[r].append(toks[r])
+            qs[r].append(q[r])
+        for j in range(1, max(ks[i] for i in idx)):
+            live = [r for r, i in enumerate(idx) if ks[i] > j]
+            lsub = [sub[r] for r in live]
+            toks, q = self._call(lsub, [[drafts[r][-1]] for r in live],
+                                 [sub[r].num_tokens + j - 1 for r in live], [sub_tables[r] for r in live], want)
+            for n, r in enumerate(live):
+                sub[r].draft_computed += 1
+                drafts[r].append(toks[n])
+                qs[r].append(q[n])
+        for r, i in enumerate(idx):
+            q = np.stack(qs[r]) if qs[r][0] is not None else None
+            out[i] = Proposal(drafts[r], q)
+        return out
+
+
+class NgramProposer:
+    """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from
+    ``n_max`` down to ``n_min``) in the request's own history and propose what followed it."""
+
+    def __init__(self, n_max: int = 3, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        arr = np.asarray(tokens, dtype=np.int64)
+        length = len(arr)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if length <= n:
+                continue
+            suffix = arr[-n:]
+            # windows starting at i (i + n < length, so at least one token follows)
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return [int(t) for t in arr[start : start + k]]
+        return []
+
+    def propose(self, seqs, ks, tables):
+        return [Proposal(self.lookup(s.token_ids, k), None) if k > 0 else EMPTY for s, k in zip(seqs, ks)]

@@ -1,0 +1,178 @@
+"""Continuous batching with chunked prefill, priorities, recompute preemption and per-request
+speculation depth. Never touches tensors.
+
+Each ``schedule()`` builds one :class:`StepPlan`:
+
+1. running requests (priority order): a decoding request feeds its newest token; a prefilling one
+   feeds the next chunk of its prompt within the step's token budget. If the KV pool is short, the
+   lowest-priority running request not yet in the plan is preempted (its blocks are freed; it is
+   recomputed from its tokens later), so the pool can never deadlock;
+2. waiting requests are admitted by priority while budget, ``max_num_seqs`` and blocks allow;
+3. the speculation policy picks k_i for the decoding requests, under the remaining token budget and
+   the KV headroom (above the high-water mark drafts only use slots already allocated); lookahead
+   blocks for the drafts are then reserved.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager, blocks_for
+from .policy import AcceptanceStats, PolicyInput, request_alphas
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # known tokens fed this step (a prefill chunk, or 1 when decoding)
+    k: int = 0  # draft slots reserved this step
+    samples: bool = False  # the chunk reaches the newest token: outputs are sampled/verified
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed
+
+
+@dataclass
+class StepPlan:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    decision_seconds: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_new + it.k for it in self.items)
+
+    @property
+    def ks(self) -> list[int]:
+        return [it.k for it in self.items if it.samples]
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, policy, acceptance: AcceptanceStats, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_draft_tokens: int, kv_high_water: float, speculative: bool):
+        self.blocks = blocks
+        self.policy = policy
+        self.acceptance = acceptance
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.max_k = max_draft_tokens if speculative else 0
+        self.kv_high_water = kv_high_water
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key
+        self.num_preemptions = 0
+
+    # ---- queues --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a request out of the queues (finished or aborted) and free its blocks."""
+        for q in (self.running, self.waiting):
+            if seq in q:
+                q.remove(seq)
+        self.blocks.free(seq.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def schedule(self, busy: set[str] = frozenset(), max_seqs: int | None = None) -> StepPlan | None:
+        """Plan one step over requests not in ``busy`` (in flight in another micro-batch)."""
+        t0 = time.perf_counter()
+        max_seqs = min(max_seqs or self.max_num_seqs, self.max_num_seqs)
+        plan = StepPlan()
+        in_plan: set[str] = set()
+        budget = self.token_budget
+        for seq in list(self.running):
+            if len(plan.items) >= max_seqs or budget <= 0:
+                break
+            if seq.request_id in busy or seq.status is not Status.RUNNING:
+                continue
+            item = self._schedule_running(seq, budget, busy, in_plan)
+            if item is not None:
+                plan.items.append(item)
+                in_plan.add(seq.request_id)
+                budget -= item.num_new
+        budget = self._admit(plan, in_plan, budget, max_seqs)
+        self._choose_drafts(plan, budget)
+        if not plan.items:
+            return None
+        plan.decision_seconds = time.perf_counter() - t0
+        return plan
+
+    def _feed(self, seq: Sequence, budget: int) -> tuple[int, bool]:
+        todo = seq.num_tokens - seq.num_computed
+        n = min(todo, budget)
+        return n, n == todo
+
+    def _schedule_running(self, seq, budget, busy, in_plan) -> ScheduledSeq | None:
+        n, samples = self._feed(seq, budget)
+        while not self.blocks.ensure(seq.request_id, seq.num_computed + n):
+            victim = self._pick_victim(busy, in_plan)
+            if victim is None:
+                return None
+            self._preempt(victim)
+            if victim is seq:
+                return None
+        return ScheduledSeq(seq, n, samples=samples)
+
+    def _pick_victim(self, busy, in_plan) -> Sequence | None:
+        for seq in reversed(self.running):  # lowest priority, latest arrival first
+            if seq.request_id not in busy and seq.request_id not in in_plan:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.request_id)
+        seq.reset_for_recompute()
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self.num_preemptions += 1
+
+    def _admit(self, plan: StepPlan, in_plan: set[str], budget: int, max_seqs: int) -> int:
+        reserve = int((1.0 - self.kv_high_water) * self.blocks.num_blocks)
+        while self.waiting and budget > 0 and len(plan.items) < max_seqs and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n, samples = self._feed(seq, budget)
+            need = blocks_for(n, self.blocks.block_size)
+            # keep a reserve for running requests to grow into, unless nothing else is running
+            if self.running and self.blocks.num_free - need < reserve:
+                break
+            if not self.blocks.ensure(seq.request_id, n):
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            plan.items.append(ScheduledSeq(seq, n, samples=samples))
+            in_plan.add(seq.request_id)
+            budget -= n
+        return budget
+
+    def _choose_drafts(self, plan: StepPlan, budget: int) -> None:
+        if self.max_k == 0 or budget <= 0:
+            return
+        cands = [it for it in plan.items if it.samples and it.seq.is_decoding and it.seq.warm]
+        if not cands:
+            return
+        bs = self.blocks.block_size
+        high = self.blocks.usage() >= self.kv_high_water
+        free_slots = self.blocks.num_free * bs
+        rates = self.acceptance.rates()
+        inputs = []
+        for it in cands:
+            seq = it.seq
+            limit = seq.draft_cap(self.max_k)
+            have = len(self.blocks.table(seq.request_id)) * bs - seq.num_tokens  # slots after the newest token
+            room = have if high else have + free_slots
+            limit = max(0, min(limit, room))
+            inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates, limit)))
+        base = sum(it.num_new for it in plan.items)
+        ks = self.policy.choose(inputs, base, base + budget)
+        for it, k in zip(cands, ks):
+            while k > 0 and not self.blocks.ensure(it.seq.request_id, it.seq.num_tokens + k):
+                k -= 1
+            it.k = k

@@ -1,0 +1,86 @@
+"""Runtime statistics: collected here (no I/O), reported elsewhere (Triton metrics, logs, bench).
+
+Counters and gauges are read with :meth:`RuntimeStats.snapshot`; histogram samples are buffered and
+handed over by :meth:`RuntimeStats.drain_observations` (bounded, so an exporter that never drains
+cannot grow memory).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class RuntimeStats:
+    def __init__(self, max_k: int, max_buffer: int = 100_000, window: int = 4096):
+        self.max_k = max_k
+        self.counters = {
+            "spec_decode_num_draft_tokens_total": 0,
+            "spec_decode_num_accepted_tokens_total": 0,
+            "spec_decode_num_steps_total": 0,  # request-steps that carried >= 1 draft
+            "num_preemptions_total": 0,
+            "generation_tokens_total": 0,
+            "prompt_tokens_total": 0,
+            "engine_steps_total": 0,
+            "request_success_total": 0,
+            "request_failure_total": 0,
+        }
+        self.accepted_per_pos = [0] * max(max_k, 1)
+        self.drafted_per_pos = [0] * max(max_k, 1)
+        self.gauges = {
+            "num_requests_running": 0,
+            "num_requests_waiting": 0,
+            "kv_cache_usage_ratio": 0.0,
+            "kv_cache_fragmentation_ratio": 0.0,
+            "stage_inflight_calls": 0,
+        }
+        self._obs: deque[tuple[str, float, dict]] = deque(maxlen=max_buffer)
+        self.recent_decisions: deque[float] = deque(maxlen=window)
+        self.recent_k: deque[int] = deque(maxlen=window)
+
+    def observe(self, name: str, value: float, labels: dict | None = None) -> None:
+        self._obs.append((name, float(value), labels or {}))
+
+    def observe_verification(self, drafted: int, accepted: int) -> None:
+        c = self.counters
+        c["spec_decode_num_draft_tokens_total"] += drafted
+        c["spec_decode_num_accepted_tokens_total"] += accepted
+        if drafted:
+            c["spec_decode_num_steps_total"] += 1
+        for j in range(drafted):
+            self.drafted_per_pos[j] += 1
+            if j < accepted:
+                self.accepted_per_pos[j] += 1
+        self.recent_k.append(drafted)
+
+    def observe_decision(self, seconds: float, ks: list[int]) -> None:
+        self.recent_decisions.append(seconds)
+        self.observe("scheduler_decision_seconds", seconds)
+        for k in ks:
+            self.observe("draft_tokens_per_step", k)
+
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / request-steps with drafts (vLLM's definition, counting the bonus token)."""
+        steps = self.counters["spec_decode_num_steps_total"]
+        return 1.0 + self.counters["spec_decode_num_accepted_tokens_total"] / steps if steps else 1.0
+
+    def decision_percentiles(self) -> dict[str, float]:
+        if not self.recent_decisions:
+            return {"p50": 0.0, "p99": 0.0}
+        a = np.fromiter(self.recent_decisions, float)
+        return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+    def snapshot(self) -> dict:
+        d: dict = dict(self.counters)
+        d.update(self.gauges)
+        d["spec_decode_num_accepted_tokens_per_pos_total"] = list(self.accepted_per_pos)
+        d["spec_decode_num_draft_tokens_per_pos_total"] = list(self.drafted_per_pos)
+        d["mean_acceptance_length"] = self.mean_acceptance_length()
+        return d
+
+    def drain_observations(self) -> list[tuple[str, float, dict]]:
+        out = []
+        while self._obs:
+            out.append(self._obs.popleft())
+        return out

@@ -1,0 +1,81 @@
+"""Verification of draft tokens against the target model: pure functions.
+
+Terminology (as in vLLM's rejection sampler): of k draft tokens, the first ``a`` are *accepted*;
+at the first rejected position a *recovered* token is emitted instead; if all k are accepted a
+*bonus* token is sampled from the target's distribution after the last draft. Either way a step
+emits a + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def verify_greedy(draft_ids: list[int], target_top1: list[int]) -> list[int]:
+    """Greedy: accept the longest prefix of drafts equal to the target's argmax.
+
+    draft_ids [k]; target_top1 [k+1]: argmax of the target at the position before each draft
+    and after the last one. Returns the emitted tokens: accepted drafts + the target's token at the
+    first mismatch (or the bonus). Exactly the tokens plain greedy decoding would produce.
+
+    >>> verify_greedy([5, 7, 9], [5, 7, 8, 1])
+    [5, 7, 8]
+    """
+    out = []
+    for j, d in enumerate(draft_ids):
+        t = int(target_top1[j])
+        out.append(t)
+        if d != t:
+            return out
+    out.append(int(target_top1[len(draft_ids)]))
+    return out
+
+
+def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
+                     rng: np.random.Generator) -> list[int]:
+    """Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    draft_ids [k]; q [k, V] the proposal distributions the drafts were sampled from, or None when the
+    proposer is deterministic (n-gram: q is a point mass on the draft); p [k+1, V] the target's
+    processed distributions (same temperature/top-k/top-p transform).
+
+    Draft x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)). On the first rejection the
+    recovered token is drawn from norm(max(0, p_j - q_j)); if all are accepted the bonus is drawn
+    from p_k. For every prefix the emitted token is then distributed exactly as p_j:
+    P(emit x) = q(x)·min(1, p(x)/q(x)) + (1 - Σ_y min(q(y), p(y)))·max(0, p(x)-q(x))/Z = p(x),
+    because Z = Σ_y max(0, p(y)-q(y)) = 1 - Σ_y min(q(y), p(y)).
+    """
+    out: list[int] = []
+    for j, x in enumerate(draft_ids):
+        pj = p[j]
+        if q is None:
+            qx = 1.0
+            qj = None
+        else:
+            qj = q[j]
+            qx = float(qj[x])
+        px = float(pj[x])
+        if qx > 0 and rng.random() < min(1.0, px / qx):
+            out.append(int(x))
+            continue
+        if qj is None:
+            resid = pj.astype(np.float64).copy()
+            resid[x] = 0.0
+        else:
+            resid = np.maximum(pj.astype(np.float64) - qj, 0.0)
+        z = resid.sum()
+        if z <= 0:  # p == q on the support: rejection had probability 0; fall back to p
+            resid, z = pj.astype(np.float64), float(pj.sum())
+        out.append(int(_sample(resid / z, rng)))
+        return out
+    out.append(int(_sample(p[len(draft_ids)].astype(np.float64), rng)))
+    return out
+
+
+def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    cdf = np.cumsum(probs)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    i = min(i, len(probs) - 1)
+    while probs[i] <= 0 and i > 0:  # float round-off at the right edge
+        i -= 1
+    return i
