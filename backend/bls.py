@@ -1,0 +1,65 @@
+"""The engine's :class:`~lightspec_core.stages.Executor` over Triton BLS.
+
+Each stage call is the stage dataclass sent field by field as tensors of the same names to the stage
+model, whose response tensors are named after the result dataclass's fields. One worker thread per
+stage makes the blocking ``InferenceRequest.exec()``: calls to different stages overlap (pipelining),
+calls to one stage queue as they would at its single model instance anyway.
+
+Checked with the Triton 2.51 stub: ``exec()`` works from a non-main thread once ``initialize`` has
+returned (BLS inside ``initialize``/``finalize`` is not allowed), including BOOL and zero-sized tensors.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import fields
+
+import numpy as np
+
+from lightspec_core.stages import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
+
+RESULT_TYPES = {ModelCall: ModelResult, MTPCall: MTPResult}
+
+
+class StageError(RuntimeError):
+    """A stage model answered with an error or without an expected output."""
+
+
+class BLSExecutor:
+    def __init__(self, stage_models: dict[str, str], pb_utils, timeout_us: int = 0):
+        """``stage_models``: engine stage name -> Triton model name. ``pb_utils`` is the
+        ``triton_python_backend_utils`` module (passed in so tests can script the stages)."""
+        self.stage_models = dict(stage_models)
+        self.pb = pb_utils
+        self.timeout_us = timeout_us
+        self._pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"bls-{s}") for s in self.stage_models}
+
+    def submit(self, stage: str, call) -> Future:
+        if stage not in self.stage_models:
+            raise ValueError(f"stage {stage!r}: no stage model configured (known: {sorted(self.stage_models)})")
+        if type(call) not in RESULT_TYPES:
+            raise TypeError(f"stage {stage!r}: cannot send a {type(call).__name__}")
+        return self._pools[stage].submit(self.call, self.stage_models[stage], call)
+
+    def call(self, model: str, call):
+        """Blocking BLS call: dataclass in, result dataclass out."""
+        pb = self.pb
+        result_cls = RESULT_TYPES[type(call)]
+        inputs = [pb.Tensor(name, np.ascontiguousarray(arr)) for name, arr in to_tensors(call).items()]
+        names = [f.name for f in fields(result_cls)]
+        kwargs = {"timeout": self.timeout_us} if self.timeout_us else {}
+        response = pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=names, **kwargs).exec()
+        if response.has_error():
+            raise StageError(f"stage model {model!r}: {response.error().message()}")
+        tensors = {}
+        for name in names:
+            t = pb.get_output_tensor_by_name(response, name)
+            if t is None:
+                raise StageError(f"stage model {model!r}: response has no output {name!r}")
+            # Copy out of the response's shared-memory buffer, which is released with the response.
+            tensors[name] = np.array(t.as_numpy(), copy=True)
+        return from_tensors(result_cls, tensors)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)

@@ -1,0 +1,369 @@
+"""Start and stop a ``tritonserver`` that serves LightSpec.
+
+Where the server comes from, in order: an explicit binary; ``$LIGHTSPEC_TRITONSERVER``; a
+``tritonserver`` on ``PATH`` (the NGC container: backends in ``/opt/tritonserver/backends``); the
+server that the ``nvidia-pytriton`` wheel ships (``pytriton/tritonserver/bin/tritonserver``, Triton
+2.51, CPU-capable).
+
+A Python-based backend is a folder ``<backend-directory>/<name>/model.py`` next to
+``<backend-directory>/python/`` (``libtriton_python.so``, ``triton_python_backend_utils.py`` and the
+``triton_python_backend_stub`` built for the running Python version). :func:`build_backend_directory`
+assembles that under a cache directory; ``model.py`` imports the ``lightspec_backend`` and
+``lightspec_core`` packages, which reach the stub processes through ``PYTHONPATH`` (symlinks to the
+packages this process runs, so server and client always run the same code).
+
+>>> with TritonServer("model_repository") as server:      # free ports, waits until ready
+...     print(server.grpc_url, server.metrics_url)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import filecmp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BACKEND_NAME = "lightspec"
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def default_cache_dir() -> Path:
+    """``$LIGHTSPEC_CACHE``, else ``$XDG_CACHE_HOME/lightspec``, else ``~/.cache/lightspec``."""
+    if os.environ.get("LIGHTSPEC_CACHE"):
+        return Path(os.environ["LIGHTSPEC_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightspec"
+
+
+@dataclass
+class TritonInstall:
+    binary: Path
+    backends: Path  # a backend directory that holds python/ (and, in NGC, the other backends)
+    lib_dirs: list[Path] = field(default_factory=list)  # extra LD_LIBRARY_PATH entries
+    stub: Path | None = None  # stub to place into python/ (the wheel ships one per Python version)
+
+    @property
+    def from_wheel(self) -> bool:
+        return self.stub is not None
+
+
+def _pytriton_install() -> TritonInstall | None:
+    try:
+        import pytriton
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    binary = root / "bin" / "tritonserver"
+    if not binary.is_file():
+        return None
+    if not stub.is_file():
+        raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {version} ({stub})")
+    libs = [root.parent.parent / "nvidia_pytriton.libs", root / "external_libs"]
+    return TritonInstall(binary, root / "backends", [p for p in libs if p.is_dir()], stub)
+
+
+def _installed(binary: Path) -> TritonInstall:
+    # <root>/bin/tritonserver with <root>/backends, as in the NGC image (/opt/tritonserver).
+    root = binary.resolve().parent.parent
+    backends = root / "backends"
+    if not (backends / "python").is_dir():
+        raise RuntimeError(f"{binary}: no Python backend in {backends}")
+    return TritonInstall(binary, backends, [p for p in (root / "lib",) if p.is_dir()])
+
+
+def find_tritonserver(binary: str | Path | None = None) -> TritonInstall:
+    """Locate a tritonserver and its Python backend (see the module docstring for the order)."""
+    binary = binary or os.environ.get("LIGHTSPEC_TRITONSERVER") or shutil.which("tritonserver")
+    if binary:
+        return _installed(Path(binary))
+    install = _pytriton_install()
+    if install is None:
+        raise RuntimeError(
+            "no tritonserver found: install nvidia-pytriton, put tritonserver on PATH, or set LIGHTSPEC_TRITONSERVER"
+        )
+    return install
+
+
+def _sync_file(src: Path, dst: Path, mode: int | None = None) -> None:
+    """Copy ``src`` to ``dst`` unless identical; atomic, so concurrent launchers never see half a file."""
+    if dst.is_file() and filecmp.cmp(src, dst, shallow=False):
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
+    os.close(fd)
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, mode if mode is not None else (src.stat().st_mode & 0o777))
+    os.replace(tmp, dst)
+
+
+def _sync_link(target: Path, link: Path) -> None:
+    if link.is_symlink() and Path(os.readlink(link)) == target:
+        return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def build_backend_directory(install: TritonInstall, cache_dir: str | Path | None = None) -> Path:
+    """``<cache>/backends`` with ``python/`` (from the wheel, plus the stub) or links to the installed
+    backends, and ``lightspec/model.py`` copied from this package. Returns the backend directory."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-{'wheel' if install.from_wheel else 'system'}"
+    out = cache / "backends" / tag
+    if install.from_wheel:
+        src = install.backends / "python"
+        for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            _sync_file(src / name, out / "python" / name)
+        _sync_file(install.stub, out / "python" / "triton_python_backend_stub", 0o755)
+    else:
+        for entry in install.backends.iterdir():
+            if entry.name != BACKEND_NAME:
+                _sync_link(entry, out / entry.name)
+    _sync_file(PACKAGE_DIR / "model.py", out / BACKEND_NAME / "model.py", 0o644)
+    return out
+
+
+def build_python_path(cache_dir: str | Path | None = None) -> Path:
+    """A directory with links to this process's ``lightspec_backend`` and ``lightspec_core``."""
+    import lightspec_core
+
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    out = cache / "pythonpath" / f"{zlib.crc32(f'{PACKAGE_DIR}:{sys.prefix}'.encode()):08x}"
+    _sync_link(PACKAGE_DIR, out / "lightspec_backend")
+    _sync_link(Path(lightspec_core.__file__).resolve().parent, out / "lightspec_core")
+    return out
+
+
+def server_env(install: TritonInstall, python_path: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver and its stubs. The stub links ``libpython3.X.so``: put this
+    interpreter's LIBDIR first so it loads the same Python (and finds the same site-packages) rather
+    than a system one; PATH starts with this interpreter's bin/ (as pytriton does) so the embedded
+    Python derives the same prefix, virtual environments included."""
+    env = dict(os.environ if base is None else base)
+    libdir = sysconfig.get_config_var("LIBDIR")
+    libs = [str(p) for p in install.lib_dirs] + ([libdir] if libdir else [])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(python_path)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    return env
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that are free right now (the OS picks; a later bind can still race)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent() -> None:
+    # Linux: the server gets SIGTERM if the launching process dies without stopping it.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class TritonServer:
+    """A tritonserver process serving ``model_repository``; a context manager.
+
+    Ports left ``None`` are picked free (and re-picked if the server fails to bind them).
+    ``model_control_mode="explicit"`` starts with only ``load_models`` loaded (tests load more
+    through the client). ``log_path=None`` writes the server log to a file under the cache directory;
+    ``stream_logs=True`` lets it go to this process's stdout instead.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | Path,
+        *,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        host: str = "127.0.0.1",
+        tritonserver: str | Path | None = None,
+        cache_dir: str | Path | None = None,
+        model_control_mode: str = "none",
+        load_models: list[str] | tuple[str, ...] = (),
+        log_path: str | Path | None = None,
+        stream_logs: bool = False,
+        log_verbose: int = 0,
+        exit_timeout_s: int = 10,
+        extra_args: list[str] | tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
+        self.model_repository = Path(model_repository).resolve()
+        if not self.model_repository.is_dir():
+            raise FileNotFoundError(f"model_repository={str(model_repository)!r}: not a directory")
+        self.requested_ports = (http_port, grpc_port, metrics_port)
+        self.host = host
+        self.install = find_tritonserver(tritonserver)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.model_control_mode = model_control_mode
+        self.load_models = list(load_models)
+        self.log_path = Path(log_path) if log_path else None
+        self.stream_logs = stream_logs
+        self.log_verbose = log_verbose
+        self.exit_timeout_s = exit_timeout_s
+        self.extra_args = list(extra_args)
+        self.base_env = env
+        self.process: subprocess.Popen | None = None
+        self.http_port = self.grpc_port = self.metrics_port = 0
+
+    # -- addresses ------------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def command(self, backend_dir: Path) -> list[str]:
+        cmd = [
+            str(self.install.binary),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backend_dir}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            "--allow-gpu-metrics=false",
+            f"--model-control-mode={self.model_control_mode}",
+            f"--log-verbose={self.log_verbose}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+        ]
+        cmd += [f"--load-model={m}" for m in self.load_models]
+        return cmd + self.extra_args
+
+    def start(self, timeout_s: float = 600.0) -> TritonServer:
+        """Start the server and wait until it is ready; raise ``RuntimeError`` with the log tail if
+        it exits or is not ready in ``timeout_s``."""
+        backend_dir = build_backend_directory(self.install, self.cache_dir)
+        env = server_env(self.install, build_python_path(self.cache_dir), self.base_env)
+        pick = any(p is None for p in self.requested_ports)
+        for attempt in range(3 if pick else 1):
+            fresh = iter(free_ports(3))
+            self.http_port, self.grpc_port, self.metrics_port = (p or next(fresh) for p in self.requested_ports)
+            self._spawn(backend_dir, env)
+            try:
+                self.wait_ready(timeout_s)
+                return self
+            except RuntimeError:
+                exited = self.process.poll() is not None
+                self.stop()
+                if not (pick and exited and "already in use" in self.log_text().lower()) or attempt == 2:
+                    raise
+        return self
+
+    def _spawn(self, backend_dir: Path, env: dict[str, str]) -> None:
+        if self.stream_logs:
+            out = None
+        else:
+            if self.log_path is None:
+                (self.cache_dir / "logs").mkdir(parents=True, exist_ok=True)
+                fd, path = tempfile.mkstemp(dir=self.cache_dir / "logs", prefix="tritonserver-", suffix=".log")
+                os.close(fd)
+                self._log = Path(path)
+            else:
+                self._log = self.log_path
+                self._log.parent.mkdir(parents=True, exist_ok=True)
+            out = open(self._log, "wb")  # noqa: SIM115 - handed to the child, closed right after
+        try:
+            self.process = subprocess.Popen(
+                self.command(backend_dir),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            if out is not None:
+                out.close()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            time.sleep(0.25)
+        raise RuntimeError(f"tritonserver not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGINT (Triton's graceful shutdown: finishes in-flight requests, unloads models), then
+        SIGKILL after ``timeout_s``. Only this server's own pid (and, after a SIGKILL, its own
+        process group: the stub processes it started) is signalled. Returns the exit code."""
+        p = self.process
+        if p is None:
+            return None
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait()
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)  # start_new_session: the group id is the server's pid
+        return p.returncode
+
+    def log_text(self) -> str:
+        path = getattr(self, "_log", None)
+        if path is None or not Path(path).is_file():
+            return ""
+        return Path(path).read_text(errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> TritonServer:
+        if not self.is_alive():
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

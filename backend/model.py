@@ -1,0 +1,115 @@
+"""LightSpec's Triton Python-based backend, installed as ``<backend-directory>/lightspec/model.py``.
+
+One file, four roles chosen by the config.pbtxt parameter ``role``:
+
+- ``orchestrator`` (decoupled, max_batch_size 0): owns a ``lightspec_core.LLMEngine`` whose stages
+  are the models below, reached by BLS; see :mod:`lightspec_backend.orchestrator`;
+- ``target`` / ``draft``: a :class:`~lightspec_core.stages.ModelRunner` (weights + paged KV pool);
+- ``mtp``: a :class:`~lightspec_core.stages.MTPRunner` (MTP heads).
+
+This file is only the adapter between Triton and those pieces: parameters are parsed once into an
+``EngineConfig`` (a bad one raises here and Triton refuses to load the model), and everything else
+lives in the importable, Triton-free ``lightspec_backend`` package.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+from lightspec_backend.params import Role, check_stage_configs, flatten_parameters, parse_backend_config
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        model_config = json.loads(args["model_config"])
+        repository = Path(args["model_repository"]).parent
+        self.config = parse_backend_config(flatten_parameters(model_config), base_dir=repository)
+        self.name = args["model_name"]
+        if self.config.role is Role.ORCHESTRATOR:
+            self.impl = _orchestrator(args, model_config, self.config, repository)
+        else:
+            self.impl = _stage(args, self.config)
+        pb_utils.Logger.log_info(f"[lightspec] {self.name}: role={self.config.role.value} ready")
+
+    def execute(self, requests: list):
+        return self.impl.execute(requests)
+
+    def finalize(self) -> None:
+        self.impl.finalize()
+
+
+class _OrchestratorModel:
+    def __init__(self, orchestrator, engine, reporter):
+        self.orchestrator = orchestrator
+        self.engine = engine
+        self.reporter = reporter
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            self.orchestrator.submit(request)
+        return None  # decoupled: responses go through each request's response sender
+
+    def finalize(self) -> None:
+        self.orchestrator.shutdown()
+        self.engine.close()
+        if self.reporter is not None:
+            self.reporter.close()
+
+
+def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _OrchestratorModel:
+    from lightspec_backend.bls import BLSExecutor
+    from lightspec_backend.metrics import MetricsReporter
+    from lightspec_backend.orchestrator import Orchestrator
+
+    from lightspec_core import LLMEngine
+
+    if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+        raise ValueError("model_transaction_policy: the orchestrator must be decoupled (decoupled: true)")
+    for note in check_stage_configs(config, repository):
+        pb_utils.Logger.log_warn(f"[lightspec] {note}")
+    stages = {s: config.stage_models[s] for s in config.stages_in_use()}
+    engine = LLMEngine(config.engine, executor=BLSExecutor(stages, pb_utils))
+    reporter = None
+    if config.metrics:
+        try:
+            reporter = MetricsReporter(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+            reporter.publish(engine.stats.snapshot(), [])  # fails here if the server has metrics off
+        except pb_utils.TritonModelException as e:
+            pb_utils.Logger.log_warn(f"[lightspec] custom metrics unavailable ({e}); continuing without them")
+            reporter = None
+    return _OrchestratorModel(Orchestrator(engine, pb_utils, reporter), engine, reporter)
+
+
+class _StageModelAdapter:
+    def __init__(self, stage):
+        self.stage = stage
+
+    def execute(self, requests: list) -> list:
+        return self.stage.execute(requests)
+
+    def finalize(self) -> None:
+        pass
+
+
+def _stage(args: dict, config) -> _StageModelAdapter:
+    import torch
+    from lightspec_backend.stage import StageModel
+
+    from lightspec_core.engine import resolve_dirs
+    from lightspec_core.stages import ModelRunner, MTPRunner
+
+    cfg = config.engine
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    device = cfg.device
+    if args.get("model_instance_kind") == "GPU":
+        device = f"cuda:{args['model_instance_device_id']}"
+    target, mtp, draft = resolve_dirs(cfg)
+    if config.role is Role.MTP:
+        runner = MTPRunner(target, mtp, device)
+    else:
+        path = target if config.role is Role.TARGET else draft
+        runner = ModelRunner(path, cfg.num_kv_blocks, cfg.block_size, device)
+    return _StageModelAdapter(StageModel(config.role, runner, pb_utils))

@@ -1,0 +1,330 @@
+"""The orchestrator model's request plumbing: Triton requests in, engine deltas out.
+
+Four threads, each with one job (after vllm_backend's layout):
+
+- ``execute`` (Triton's thread) parses a request and queues it; it never waits for the engine.
+- the engine loop is the only thread that calls ``engine.add_request`` / ``step`` / ``abort``; it is
+  fed by a command queue and hands deltas to
+- the response thread, which builds tensors and calls ``response_sender.send`` (every request ends
+  with exactly one FINAL response: data, INVALID_ARG, INTERNAL or UNAVAILABLE);
+- the watcher polls ``is_cancelled()`` (an IPC round trip to the server, kept off the engine loop)
+  and queues aborts.
+
+A metrics thread publishes engine statistics, which the engine loop snapshots at most every
+``metrics_interval_s`` and whenever the engine goes idle (so gauges fall back to zero).
+
+``pb_utils`` is passed in (the real ``triton_python_backend_utils`` in Triton, a fake in unit tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from .inputs import parse_request
+from .metrics import MetricsReporter
+from .responses import RequestState, build_response
+
+_STOP = object()
+
+
+@dataclass
+class _Error:
+    code: str  # name of a pb_utils.TritonError code: INVALID_ARG, INTERNAL, UNAVAILABLE, CANCELLED
+    message: str
+
+
+@dataclass
+class _Entry:
+    state: RequestState
+    sender: object  # pb_utils InferenceResponseSender
+    request: object  # pb_utils InferenceRequest, for is_cancelled()
+    client_id: str = ""
+    abort_queued: bool = False
+    shutting_down: bool = False
+    closed: bool = False  # FINAL sent (or attempted); set by the response thread only
+
+    @property
+    def id(self) -> str:
+        return self.state.request_id
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        engine,
+        pb_utils,
+        reporter: MetricsReporter | None = None,
+        *,
+        cancel_poll_s: float = 0.05,
+        metrics_interval_s: float = 0.25,
+    ):
+        self.engine = engine
+        self.pb = pb_utils
+        self.log = pb_utils.Logger
+        self.reporter = reporter
+        self.cancel_poll_s = cancel_poll_s
+        self.metrics_interval_s = metrics_interval_s
+        self.max_model_len = getattr(engine, "max_model_len", None)
+        model_config = getattr(engine, "model_config", None)
+        self.vocab_size = getattr(model_config, "vocab_size", None)
+        self._ids = itertools.count()
+        self._live: dict[str, _Entry] = {}
+        self._live_lock = threading.Lock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._metrics_q: queue.Queue = queue.Queue()
+        self._in_engine: set[str] = set()  # engine loop only
+        self._last_publish = 0.0
+        self._stopping = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._engine_loop, name="lightspec-engine", daemon=True),
+            threading.Thread(target=self._response_loop, name="lightspec-responses", daemon=True),
+            threading.Thread(target=self._watch_cancellation, name="lightspec-cancel", daemon=True),
+        ]
+        if reporter is not None:
+            self._threads.append(threading.Thread(target=self._metrics_loop, name="lightspec-metrics", daemon=True))
+        for t in self._threads:
+            t.start()
+        if reporter is not None:
+            self._metrics_q.put((engine.stats.snapshot(), []))
+
+    # -- called by Triton's execute thread ----------------------------------------------------
+
+    def submit(self, request) -> None:
+        """Parse one Triton request and queue it for the engine; answers bad input itself."""
+        pb = self.pb
+        rid = f"ls-{next(self._ids)}"
+        sender = request.get_response_sender()
+
+        def get(name):
+            t = pb.get_input_tensor_by_name(request, name)
+            return None if t is None else t.as_numpy()
+
+        entry = _Entry(RequestState(rid, None), sender, request, client_id=_client_id(request))
+        try:
+            parsed = parse_request(get, self.max_model_len, self.vocab_size)
+        except ValueError as e:
+            self._register(entry)
+            self._outbox.put((entry, _Error("INVALID_ARG", str(e))))
+            return
+        entry.state.request = parsed
+        if not parsed.stream and not parsed.exclude_input_in_output:
+            entry.state.prompt_text = (
+                parsed.prompt if isinstance(parsed.prompt, str) else self.engine.tokenizer.decode(parsed.prompt)
+            )
+        self._register(entry)
+        if self._stopping.is_set():
+            self._outbox.put((entry, _Error("UNAVAILABLE", "the model is shutting down")))
+            return
+        self._inbox.put(("add", entry))
+
+    def _register(self, entry: _Entry) -> None:
+        with self._live_lock:
+            self._live[entry.id] = entry
+
+    def num_in_flight(self) -> int:
+        with self._live_lock:
+            return len(self._live)
+
+    # -- engine loop: the only thread that touches the engine ---------------------------------
+
+    def _engine_loop(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            for cmd in self._take_commands(block=not busy):
+                if cmd is _STOP:
+                    self._drain_engine()
+                    return
+                kind, arg = cmd
+                if kind == "add":
+                    self._add(arg)
+                elif kind == "abort" and arg in self._in_engine:
+                    self.engine.abort(arg)
+            if self.engine.has_unfinished():
+                self._step()
+            self._maybe_publish(force=not self.engine.has_unfinished())
+
+    def _take_commands(self, block: bool) -> list:
+        cmds = []
+        try:
+            cmds.append(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+            while True:
+                cmds.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return cmds
+
+    def _add(self, entry: _Entry) -> None:
+        if entry.abort_queued:  # cancelled while queued: never reaches the engine
+            self._outbox.put((entry, _Error("CANCELLED", "request cancelled")))
+            return
+        req = entry.state.request
+        try:
+            self.engine.add_request(entry.id, req.prompt, req.params)
+        except ValueError as e:  # prompt too long, max_tokens beyond the context, ...
+            self._outbox.put((entry, _Error("INVALID_ARG", str(e))))
+            return
+        self._in_engine.add(entry.id)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as e:  # a stage or engine failure: fail what is in flight, keep serving
+            self.log.log_error(f"[lightspec] engine step failed: {traceback.format_exc()}")
+            for rid in list(self._in_engine):
+                self._finish_with_error(rid, "INTERNAL", f"engine step failed: {e}")
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # the engine may be unable to abort after a failure; noted already
+                    pass
+            self._in_engine.clear()
+            time.sleep(0.05)  # do not spin if every step keeps failing
+            return
+        with self._live_lock:
+            entries = {d.request_id: self._live.get(d.request_id) for d in deltas}
+        for d in deltas:
+            entry = entries[d.request_id]
+            if d.finished:
+                self._in_engine.discard(d.request_id)
+            # After a failed step, the aborted requests' "cancelled" finals arrive here too; the
+            # response thread drops them because their error response closed them first (FIFO).
+            if entry is not None:
+                self._outbox.put((entry, d))
+
+    def _finish_with_error(self, rid: str, code: str, message: str) -> None:
+        with self._live_lock:
+            entry = self._live.get(rid)
+        if entry is not None:
+            self._outbox.put((entry, _Error(code, message)))
+
+    def _drain_engine(self, max_steps: int = 1000) -> None:
+        """Shutdown: abort everything in the engine, flush the resulting finals, fail the queue."""
+        for rid in list(self._in_engine):
+            with self._live_lock:
+                entry = self._live.get(rid)
+            if entry is not None:
+                entry.shutting_down = True
+            self.engine.abort(rid)
+        for _ in range(max_steps):
+            if not self.engine.has_unfinished():
+                break
+            self._step()
+        for cmd in self._take_commands(block=False):
+            if cmd is not _STOP and cmd[0] == "add":
+                self._outbox.put((cmd[1], _Error("UNAVAILABLE", "the model is shutting down")))
+        self._maybe_publish(force=True)
+
+    def _maybe_publish(self, force: bool) -> None:
+        if self.reporter is None:
+            return
+        now = time.monotonic()
+        if force and self._last_publish < 0:
+            return  # already published this idle period
+        if force or now - self._last_publish >= self.metrics_interval_s:
+            self._metrics_q.put((self.engine.stats.snapshot(), self.engine.stats.drain_observations()))
+            self._last_publish = -1.0 if force else now
+
+    # -- response thread ------------------------------------------------------------------------
+
+    def _response_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            entry, payload = item
+            if entry.closed:
+                continue
+            try:
+                final = self._send(entry, payload)
+            except Exception:  # a broken client connection must not stop other responses
+                self.log.log_error(f"[lightspec] sending a response failed: {traceback.format_exc()}")
+                final = True
+            if final:
+                entry.closed = True
+                with self._live_lock:
+                    self._live.pop(entry.id, None)
+
+    def _send(self, entry: _Entry, payload) -> bool:
+        pb = self.pb
+        final_flag = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if isinstance(payload, _Error):
+            err = pb.TritonError(payload.message, getattr(pb.TritonError, payload.code))
+            entry.sender.send(pb.InferenceResponse(output_tensors=[], error=err), flags=final_flag)
+            return True
+        delta = payload
+        if delta.finished and delta.finish_reason == "error":
+            return self._send(entry, _Error("INTERNAL", delta.error or "generation failed"))
+        if delta.finished and entry.shutting_down:
+            return self._send(entry, _Error("UNAVAILABLE", "the model was unloaded before the request finished"))
+        tensors = build_response(entry.state, delta)
+        if tensors is None:
+            return False
+        response = pb.InferenceResponse(output_tensors=[pb.Tensor(n, a) for n, a in tensors.items()])
+        entry.sender.send(response, flags=final_flag if delta.finished else 0)
+        return delta.finished
+
+    # -- cancellation watcher ---------------------------------------------------------------------
+
+    def _watch_cancellation(self) -> None:
+        while not self._stopping.wait(self.cancel_poll_s):
+            with self._live_lock:
+                entries = [e for e in self._live.values() if not e.abort_queued and not e.closed]
+            for entry in entries:
+                try:
+                    cancelled = entry.sender.is_cancelled()
+                except Exception:  # request already completed on the server side
+                    continue
+                if cancelled:
+                    entry.abort_queued = True
+                    self._inbox.put(("abort", entry.id))
+
+    # -- metrics thread ---------------------------------------------------------------------------
+
+    def _metrics_loop(self) -> None:
+        while True:
+            items = [self._metrics_q.get()]
+            try:
+                while True:
+                    items.append(self._metrics_q.get_nowait())
+            except queue.Empty:
+                pass
+            stop = any(i is None for i in items)
+            items = [i for i in items if i is not None]
+            if items:
+                observations = [o for _, obs in items for o in obs]
+                try:
+                    self.reporter.publish(items[-1][0], observations)
+                except Exception:  # metrics must never take the model down
+                    self.log.log_error(f"[lightspec] publishing metrics failed: {traceback.format_exc()}")
+            if stop:
+                return
+
+    # -- shutdown -----------------------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """End every in-flight request with a final response, then stop all threads."""
+        self._stopping.set()
+        self._inbox.put(_STOP)
+        engine_thread, response_thread, *others = self._threads
+        engine_thread.join(timeout_s)
+        with self._live_lock:
+            leftovers = [e for e in self._live.values() if not e.closed]
+        for entry in leftovers:  # queued but never added, or the engine thread is stuck
+            self._outbox.put((entry, _Error("UNAVAILABLE", "the model is shutting down")))
+        self._outbox.put(None)
+        response_thread.join(timeout_s)
+        self._metrics_q.put(None)
+        for t in others:
+            t.join(timeout_s)
+
+
+def _client_id(request) -> str:
+    try:
+        return request.request_id()
+    except Exception:  # older stubs or fakes without request ids
+        return ""

@@ -1,0 +1,155 @@
+"""config.pbtxt ``parameters`` -> one validated :class:`BackendConfig`, parsed once at model load.
+
+Every error is a ``ValueError`` naming the parameter and its value; ``model.py`` lets it escape
+``initialize`` so Triton refuses to load the model and logs the message.
+
+Any :class:`~lightspec_core.EngineConfig` field is also a parameter of the same name (string-valued,
+as Triton requires; an empty string means "default"). The backend adds ``role``, ``metrics`` and the
+stage model names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from lightspec_core.config import EngineConfig
+
+
+class Role(str, Enum):
+    ORCHESTRATOR = "orchestrator"  # decoupled; owns the engine, reaches the stages by BLS
+    TARGET = "target"  # stage: the target LM and its KV pool
+    DRAFT = "draft"  # stage: the draft LM and its KV pool
+    MTP = "mtp"  # stage: MTP heads (no KV)
+
+
+# Engine stage name -> (parameter naming the Triton model, default model name).
+STAGE_MODEL_PARAMS = {
+    "target": ("target_model", "lightspec_target"),
+    "mtp": ("mtp_model", "lightspec_mtp"),
+    "draft": ("draft_model", "lightspec_draft"),
+}
+BACKEND_PARAMS = ("role", "metrics", *(p for p, _ in STAGE_MODEL_PARAMS.values()))
+ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+# The KV geometry every KV-owning stage must share with the orchestrator, which allocates blocks.
+KV_PARAMS = ("num_kv_blocks", "block_size")
+PATH_PARAMS = ("model_dir", "mtp_dir", "draft_dir")
+_TRUE, _FALSE = ("on", "true", "1", "yes"), ("off", "false", "0", "no")
+
+
+@dataclass
+class BackendConfig:
+    role: Role
+    engine: EngineConfig
+    metrics: bool
+    stage_models: dict[str, str]  # engine stage name ("target", "mtp", "draft") -> Triton model name
+
+    def stages_in_use(self) -> list[str]:
+        """The stages the orchestrator's engine calls with this speculation method."""
+        method = self.engine.speculation
+        return ["target", *([method] if method in ("mtp", "draft") and self.engine.speculative else [])]
+
+
+def flatten_parameters(model_config: dict) -> dict[str, str]:
+    """Triton's ``{"key": {"string_value": "v"}}`` -> ``{"key": "v"}``."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def _bad(name: str, value: str, why: str) -> ValueError:
+    return ValueError(f"parameter {name}={value!r}: {why}")
+
+
+def _convert(name: str, value: str, annotation: str):
+    """Convert a string parameter to the type of the EngineConfig field it sets."""
+    kinds = {t.strip() for t in str(annotation).split("|")}
+    try:
+        if "int" in kinds:
+            return int(value)
+        if "float" in kinds:
+            return float(value)
+    except ValueError:
+        raise _bad(name, value, f"expected {'an integer' if 'int' in kinds else 'a number'}") from None
+    return value
+
+
+def parse_bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise _bad(name, value, "expected on or off")
+
+
+def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = None) -> BackendConfig:
+    """Validate every parameter; unknown lower-case keys are rejected (they are almost always typos).
+    Upper-case keys are left to Triton and the Python backend (``EXECUTION_ENV_PATH`` and friends).
+    Relative checkpoint paths are resolved against ``base_dir`` (the model repository)."""
+    unknown = sorted(k for k in params if k not in BACKEND_PARAMS + ENGINE_PARAMS and not k.isupper())
+    if unknown:
+        raise _bad(
+            unknown[0], params[unknown[0]], f"unknown parameter; known: {', '.join(BACKEND_PARAMS + ENGINE_PARAMS)}"
+        )
+    role_value = params.get("role", "") or Role.ORCHESTRATOR.value
+    try:
+        role = Role(role_value)
+    except ValueError:
+        raise _bad("role", role_value, f"expected one of {', '.join(r.value for r in Role)}") from None
+    kwargs = {}
+    for f in dataclasses.fields(EngineConfig):
+        raw = params.get(f.name, "").strip()
+        if raw and f.name in PATH_PARAMS and base_dir is not None:
+            raw = str((Path(base_dir) / Path(raw).expanduser()).resolve())
+        if raw:
+            kwargs[f.name] = _convert(f.name, raw, f.type)
+    try:
+        engine = EngineConfig(**kwargs)
+    except ValueError as e:  # EngineConfig names the field: "speculation='x': expected ..."
+        raise ValueError(f"parameter {e}") from None
+    metrics = parse_bool("metrics", params.get("metrics", "") or "on")
+    stage_models = {}
+    for stage, (param, default) in STAGE_MODEL_PARAMS.items():
+        stage_models[stage] = params.get(param, "").strip() or default
+    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models)
+
+
+def read_config_parameters(config_pbtxt: str | Path) -> dict[str, str]:
+    """The ``parameters`` of a config.pbtxt file, parsed with Triton's own protobuf schema."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = text_format.Parse(Path(config_pbtxt).read_text(), model_config_pb2.ModelConfig())
+    return flatten_parameters(json_format.MessageToDict(cfg, preserving_proto_field_name=True))
+
+
+def check_stage_configs(config: BackendConfig, repository: str | Path) -> list[str]:
+    """Check that the stage models next to the orchestrator in a local model repository share its KV
+    geometry and checkpoints; raise ``ValueError`` on a mismatch.
+
+    The orchestrator allocates KV blocks and the target/draft stages own the pools those block ids
+    index, so ``num_kv_blocks`` and ``block_size`` must agree or the stages write out of bounds (or
+    waste memory). Triton gives a model no way to read another model's config over BLS, so this reads
+    the files. Returns notes for stages it could not check (remote repository, renamed model).
+    """
+    notes = []
+    mine = config.engine
+    for stage in config.stages_in_use():
+        name = config.stage_models[stage]
+        path = Path(repository) / name / "config.pbtxt"
+        if not path.is_file():
+            notes.append(f"stage model {name!r}: {path} not found, KV geometry not checked")
+            continue
+        theirs = parse_backend_config(read_config_parameters(path), base_dir=repository)
+        if theirs.role.value != stage:
+            raise _bad(
+                STAGE_MODEL_PARAMS[stage][0], name, f"that model has role={theirs.role.value!r}, expected {stage!r}"
+            )
+        keys = ["model_dir", *(["mtp_dir"] if stage == "mtp" else []), *(["draft_dir"] if stage == "draft" else [])]
+        keys += list(KV_PARAMS) if stage != "mtp" else []
+        for key in keys:
+            a, b = getattr(mine, key), getattr(theirs.engine, key)
+            if a != b:
+                raise _bad(key, "" if a is None else str(a), f"differs from stage model {name!r} ({b!r} in {path})")
+    return notes

@@ -1,0 +1,70 @@
+"""Engine deltas -> response tensors (numpy), per request. Triton-free.
+
+Streaming: every delta with new tokens becomes one response carrying only those tokens; the final
+delta's response carries ``finish_reason`` and is sent with the FINAL flag. Non-streaming: deltas
+accumulate and the final one becomes the single response (HTTP ``/generate`` needs exactly one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightspec_core.outputs import RequestDelta
+
+from .inputs import GenerateRequest
+
+
+@dataclass
+class RequestState:
+    """What the backend remembers about one in-flight request besides the engine's own state."""
+
+    request_id: str  # unique engine id (clients may reuse theirs)
+    request: GenerateRequest
+    prompt_text: str = ""  # prepended to non-streaming text unless exclude_input_in_output
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    num_input_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def absorb(self, delta: RequestDelta) -> None:
+        """Take a delta's counters (cumulative in the engine) and, when not streaming, its tokens."""
+        self.num_input_tokens = max(self.num_input_tokens, delta.num_prompt_tokens)
+        self.num_draft_tokens = max(self.num_draft_tokens, delta.num_draft_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, delta.num_accepted_tokens)
+        if not self.request.stream:
+            self.text.append(delta.new_text)
+            self.ids.extend(delta.new_token_ids)
+
+
+def build_response(state: RequestState, delta: RequestDelta) -> dict[str, np.ndarray] | None:
+    """Output tensors for this delta, or ``None`` when nothing should be sent yet."""
+    state.absorb(delta)
+    req = state.request
+    if req.stream:
+        if not delta.new_token_ids and not delta.finished:
+            return None
+        text, ids = delta.new_text, list(delta.new_token_ids)
+    else:
+        if not delta.finished:
+            return None
+        text = "".join(state.text)
+        if not req.exclude_input_in_output:
+            text = state.prompt_text + text
+        ids = state.ids
+    rate = state.num_accepted_tokens / state.num_draft_tokens if state.num_draft_tokens else 0.0
+    out = {
+        "text_output": np.array([text.encode("utf-8")], dtype=object),
+        "output_ids": np.array(ids, dtype=np.int64),
+        "finish_reason": np.array([(delta.finish_reason or "").encode() if delta.finished else b""], dtype=object),
+        "total_draft_tokens": np.array([state.num_draft_tokens], dtype=np.int32),
+        "total_accepted_draft_tokens": np.array([state.num_accepted_tokens], dtype=np.int32),
+        "acceptance_rate": np.array([rate], dtype=np.float32),
+    }
+    if req.return_num_input_tokens:
+        out["num_input_tokens"] = np.array([state.num_input_tokens], dtype=np.uint32)
+    if req.return_num_output_tokens:
+        out["num_output_tokens"] = np.array([len(ids)], dtype=np.uint32)
+    return out

@@ -1,0 +1,50 @@
+"""Stage models (roles ``target``, ``draft``, ``mtp``): tensors in, runner, tensors out.
+
+A stage model is a plain (not decoupled) Triton model whose input and output tensors are the fields
+of the stage dataclasses in :mod:`lightspec_core.stages`. Requests are executed one by one: each
+is one packed engine step already, and the runner's KV pool is shared state.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import fields
+
+import numpy as np
+
+from lightspec_core.stages import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
+
+from .params import Role
+
+CALL_TYPES = {Role.TARGET: ModelCall, Role.DRAFT: ModelCall, Role.MTP: MTPCall}
+RESULT_TYPES = {Role.TARGET: ModelResult, Role.DRAFT: ModelResult, Role.MTP: MTPResult}
+
+
+class StageModel:
+    def __init__(self, role: Role, runner, pb_utils):
+        self.call_cls = CALL_TYPES[role]
+        self.runner = runner
+        self.pb = pb_utils
+
+    def execute(self, requests: list) -> list:
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        pb = self.pb
+        try:
+            tensors = {}
+            for f in fields(self.call_cls):
+                t = pb.get_input_tensor_by_name(request, f.name)
+                if t is None:
+                    raise ValueError(f"{f.name}: missing input tensor")
+                tensors[f.name] = t.as_numpy()
+            call = from_tensors(self.call_cls, tensors)
+            result = self.runner.execute(call)
+        except ValueError as e:
+            return pb.InferenceResponse(error=pb.TritonError(str(e), pb.TritonError.INVALID_ARG))
+        except Exception as e:  # a runner failure answers this call; the engine fails its requests
+            pb.Logger.log_error(f"[lightspec] stage failed: {traceback.format_exc()}")
+            return pb.InferenceResponse(error=pb.TritonError(f"{type(e).__name__}: {e}", pb.TritonError.INTERNAL))
+        return pb.InferenceResponse(
+            output_tensors=[pb.Tensor(n, np.ascontiguousarray(a)) for n, a in to_tensors(result).items()]
+        )

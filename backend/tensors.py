@@ -1,0 +1,85 @@
+"""The orchestrator model's tensors (the user contract), in one table.
+
+The same table generates the ``input``/``output`` sections of ``lightspec/config.pbtxt``
+(:mod:`lightspec_backend.repository`), drives request parsing (:mod:`lightspec_backend.inputs`) and
+response building (:mod:`lightspec_backend.responses`), and is printed in the README. Names follow
+the TensorRT-LLM BLS and vLLM backends so existing clients fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    triton_type: str  # config.pbtxt data_type without the TYPE_ prefix
+    dims: tuple[int, ...]
+    optional: bool = True
+    doc: str = ""
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(TRITON_TO_NUMPY[self.triton_type])
+
+    @property
+    def client_type(self) -> str:
+        """The datatype name the Triton clients use (``BYTES`` for ``TYPE_STRING``)."""
+        return "BYTES" if self.triton_type == "STRING" else self.triton_type
+
+
+TRITON_TO_NUMPY = {
+    "STRING": object,
+    "BOOL": np.bool_,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "FP32": np.float32,
+}
+
+INPUTS = [
+    TensorSpec("text_input", "STRING", (1,), doc="prompt, UTF-8 (give this or `input_ids`)"),
+    TensorSpec("input_ids", "INT64", (-1,), doc="prompt as token ids (give this or `text_input`)"),
+    TensorSpec("max_tokens", "INT32", (1,), doc="tokens to generate, default 64, at most the context length"),
+    TensorSpec(
+        "stream", "BOOL", (1,), doc="default false: one response; true: one response per step with the new tokens"
+    ),
+    TensorSpec("temperature", "FP32", (1,), doc="default 0 (greedy); must be >= 0"),
+    TensorSpec("top_p", "FP32", (1,), doc="default 1; in (0, 1]"),
+    TensorSpec("top_k", "INT32", (1,), doc="default 0 (off); >= 0"),
+    TensorSpec("seed", "UINT64", (1,), doc="per-request sampling seed; default: engine seed"),
+    TensorSpec("stop_words", "STRING", (-1,), doc="stop strings; generation ends before the first match"),
+    TensorSpec("end_id", "INT32", (1,), doc="end-of-sequence token id; default: the tokenizer's"),
+    TensorSpec("ignore_eos", "BOOL", (1,), doc="default false; true keeps generating past end_id (benchmarks)"),
+    TensorSpec(
+        "exclude_input_in_output", "BOOL", (1,), doc="default false: non-streaming `text_output` starts with the prompt"
+    ),
+    TensorSpec("priority", "INT32", (1,), doc="default 0; higher is admitted first and preempted last"),
+    TensorSpec(
+        "num_draft_tokens", "INT32", (1,), doc="per-request cap on draft tokens per step; 0 disables speculation"
+    ),
+    TensorSpec("return_num_input_tokens", "BOOL", (1,), doc="default false; true adds `num_input_tokens`"),
+    TensorSpec("return_num_output_tokens", "BOOL", (1,), doc="default false; true adds `num_output_tokens`"),
+]
+
+OUTPUTS = [
+    TensorSpec("text_output", "STRING", (-1,), doc="new text (streaming) or the whole completion"),
+    TensorSpec("output_ids", "INT64", (-1,), doc="new token ids (streaming) or all generated ids; never the prompt"),
+    TensorSpec(
+        "finish_reason", "STRING", (-1,), doc="`length`, `stop` or `cancelled` on the final response, else empty"
+    ),
+    TensorSpec("num_input_tokens", "UINT32", (1,), doc="prompt length (only with `return_num_input_tokens`)"),
+    TensorSpec(
+        "num_output_tokens", "UINT32", (1,), doc="tokens in this response (only with `return_num_output_tokens`)"
+    ),
+    TensorSpec("total_draft_tokens", "INT32", (1,), doc="draft tokens proposed for this request so far"),
+    TensorSpec("total_accepted_draft_tokens", "INT32", (1,), doc="of which the target accepted"),
+    TensorSpec("acceptance_rate", "FP32", (1,), doc="accepted / proposed (0 when nothing was proposed)"),
+]
+
+INPUT_SPECS = {s.name: s for s in INPUTS}
+OUTPUT_SPECS = {s.name: s for s in OUTPUTS}
