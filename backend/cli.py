@@ -1,0 +1,245 @@
+"""The ``lightspec`` command.
+
+lightspec serve [--model-repository DIR] [--http-port P] [--grpc-port P] [--metrics-port P] ...
+lightspec generate "def fib(n):" [--max-tokens N] [--url HOST:PORT] [--no-stream] [--temperature T]
+lightspec bench ...            (lightspec_backend.bench, when present)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import queue
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .launcher import PACKAGE_DIR, TritonServer, default_cache_dir
+
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}  # Triton's; 0 picks free ports
+
+
+def default_repository() -> Path | None:
+    """The source checkout's ``model_repository/``, when running from one."""
+    repo = PACKAGE_DIR.parent / "model_repository"
+    return repo if (repo / "lightspec" / "config.pbtxt").is_file() else None
+
+
+def _overrides(args) -> dict[str, str]:
+    out = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a config.pbtxt parameter)")
+        out[key.strip()] = value.strip()
+    for key in ("model_dir", "speculation", "policy"):
+        if getattr(args, key):
+            out[key] = getattr(args, key)
+    return out
+
+
+def _repository(args) -> Path:
+    from .repository import write_model_repository
+
+    overrides = _overrides(args)
+    if args.model_repository:
+        if overrides:
+            raise SystemExit(
+                "--set/--model-dir/--speculation/--policy generate a repository; "
+                "edit config.pbtxt instead when passing --model-repository"
+            )
+        return Path(args.model_repository)
+    if not overrides and default_repository() is not None:
+        return default_repository()
+    return write_model_repository(default_cache_dir() / "model_repository", overrides)
+
+
+def serve(args) -> int:
+    repo = _repository(args)
+    ports = {
+        k: (getattr(args, f"{k}_port") if getattr(args, f"{k}_port") is not None else v)
+        for k, v in DEFAULT_PORTS.items()
+    }
+    server = TritonServer(
+        repo,
+        http_port=ports["http"] or None,
+        grpc_port=ports["grpc"] or None,
+        metrics_port=ports["metrics"] or None,
+        stream_logs=args.verbose,
+        log_verbose=args.log_verbose,
+        tritonserver=args.tritonserver,
+    )
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    print(f"Starting tritonserver ({server.install.binary}) with {repo} ...", flush=True)
+    try:
+        server.start(timeout_s=args.startup_timeout)
+        print(
+            f"LightSpec is serving (tritonserver pid {server.pid}):\n"
+            f'  gRPC     {server.grpc_url}    try: lightspec generate "def fib(n):" --url {server.grpc_url}\n'
+            f"  HTTP     http://{server.http_url}/v2/models/lightspec/generate (and /generate_stream)\n"
+            f"  metrics  {server.metrics_url}\n"
+            + ("" if args.verbose else f"  log      {server._log}\n")
+            + "Ctrl-C to stop.",
+            flush=True,
+        )
+        while server.is_alive():
+            time.sleep(0.5)
+        print(f"tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nStopping tritonserver ...", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    finally:
+        server.stop()
+
+
+def _inputs(args) -> list:
+    from .client import grpc_inputs
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    tensors = dict(
+        text_input=prompt,
+        max_tokens=args.max_tokens,
+        stream=not args.no_stream,
+        exclude_input_in_output=True,
+        return_num_output_tokens=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
+    if args.seed is not None:
+        tensors["seed"] = args.seed
+    if args.num_draft_tokens is not None:
+        tensors["num_draft_tokens"] = args.num_draft_tokens
+    if args.stop:
+        tensors["stop_words"] = args.stop
+    return grpc_inputs(**tensors)
+
+
+def generate(args) -> int:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from .client import is_final
+
+    client = grpcclient.InferenceServerClient(args.url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    t0 = time.perf_counter()
+    first = None
+    tokens, last = 0, None
+    try:
+        client.async_stream_infer(args.model, _inputs(args), enable_empty_final_response=True)
+        while True:
+            try:
+                result, error = results.get(timeout=args.timeout)
+            except queue.Empty:
+                print(f"\nno response for {args.timeout}s", file=sys.stderr)
+                return 1
+            if error is not None:
+                print(
+                    f"\nerror: {error.message() if isinstance(error, InferenceServerException) else error}",
+                    file=sys.stderr,
+                )
+                return 1
+            response = result.get_response()
+            if response.outputs:
+                text = result.as_numpy("text_output")
+                if text is not None and text.size:
+                    if first is None:
+                        first = time.perf_counter()
+                    sys.stdout.write(text.reshape(-1)[0].decode("utf-8", errors="replace"))
+                    sys.stdout.flush()
+                n = result.as_numpy("num_output_tokens")
+                tokens += int(n.reshape(-1)[0]) if n is not None else 0
+                last = result
+            if is_final(result):
+                break
+    except KeyboardInterrupt:
+        client.stop_stream(cancel_requests=True)
+        print("\n[cancelled]", file=sys.stderr)
+        return 130
+    finally:
+        client.stop_stream()
+        client.close()
+    elapsed = time.perf_counter() - t0
+    print()
+    if last is not None:
+        reason = last.as_numpy("finish_reason").reshape(-1)[0].decode()
+        drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
+        accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+        rate = float(last.as_numpy("acceptance_rate").reshape(-1)[0])
+        ttft = f", first token after {1000 * (first - t0):.0f} ms" if first is not None and not args.no_stream else ""
+        print(
+            f"[{tokens} tokens in {elapsed:.2f}s: {tokens / elapsed:.1f} tokens/s{ttft}; finish_reason={reason}; "
+            f"acceptance rate {100 * rate:.1f}% ({accepted}/{drafted} draft tokens)]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def bench(args) -> int:
+    try:
+        module = importlib.import_module("lightspec_backend.bench")
+    except ModuleNotFoundError as e:
+        if e.name != "lightspec_backend.bench":
+            raise
+        print("lightspec bench is not available in this version", file=sys.stderr)
+        return 2
+    return module.main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightspec", description="Dynamic MTP speculative decoding on Triton")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start tritonserver with the LightSpec models")
+    s.add_argument("--model-repository", help="default: the checkout's model_repository/, else a generated one")
+    for name, port in DEFAULT_PORTS.items():
+        s.add_argument(f"--{name}-port", type=int, help=f"default {port}; 0 picks a free port")
+    s.add_argument("--model-dir", help="target checkpoint (generates a repository; MTP/draft are its siblings)")
+    s.add_argument("--speculation", help="mtp | draft | ngram | none")
+    s.add_argument("--policy", help="dynamic | off | static | static:K")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config.pbtxt parameter (repeatable)")
+    s.add_argument("--tritonserver", help="tritonserver binary (default: PATH, then the nvidia-pytriton wheel)")
+    s.add_argument("--startup-timeout", type=float, default=600.0)
+    s.add_argument("--verbose", action="store_true", help="print the server log here instead of to a file")
+    s.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    s.set_defaults(func=serve)
+
+    g = sub.add_parser("generate", help="stream a completion from a running server (gRPC)")
+    g.add_argument("prompt", help='prompt text, or "-" to read it from stdin')
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--url", default=f"127.0.0.1:{DEFAULT_PORTS['grpc']}", help="gRPC HOST:PORT")
+    g.add_argument("--model", default="lightspec")
+    g.add_argument("--no-stream", action="store_true", help="one response at the end instead of streaming")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--num-draft-tokens", type=int, help="cap on draft tokens per step (0: no speculation)")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response")
+    g.set_defaults(func=generate)
+
+    b = sub.add_parser("bench", help="benchmark (see lightspec_backend.bench)", add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
