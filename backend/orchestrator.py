@@ -117,10 +117,10 @@ class Orchestrator:
             entry.state.prompt_text = (
                 parsed.prompt if isinstance(parsed.prompt, str) else self.engine.tokenizer.decode(parsed.prompt)
             )
-        self._register(entry)
-        if self._stopping.is_set():
-            self._outbox.put((entry, _Error("UNAVAILABLE", "the model is shutting down")))
+        if self._stopping.is_set():  # the response thread may be gone: answer here
+            self._send(entry, _Error("UNAVAILABLE", "the model is shutting down"))
             return
+        self._register(entry)
         self._inbox.put(("add", entry))
 
     def _register(self, entry: _Entry) -> None:

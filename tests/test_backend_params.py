@@ -1,0 +1,130 @@
+"""config.pbtxt parameters -> BackendConfig: defaults, conversions, and errors that name the parameter."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightspec_backend.params import (
+    Role,
+    check_stage_configs,
+    flatten_parameters,
+    parse_backend_config,
+    read_config_parameters,
+)
+from lightspec_backend.repository import write_model_repository
+
+
+def test_empty_parameters_give_the_engine_defaults():
+    cfg = parse_backend_config({})
+    assert cfg.role is Role.ORCHESTRATOR
+    assert cfg.metrics is True
+    assert cfg.engine.speculation == "mtp" and cfg.engine.policy == "dynamic"
+    assert cfg.engine.model_dir is None
+    assert cfg.stage_models == {"target": "lightspec_target", "mtp": "lightspec_mtp", "draft": "lightspec_draft"}
+
+
+def test_strings_are_converted_to_engine_field_types():
+    cfg = parse_backend_config(
+        {"num_kv_blocks": "64", "block_size": "8", "kv_high_water": "0.5", "max_model_len": "128", "policy": "static:2"}
+    )
+    assert cfg.engine.num_kv_blocks == 64 and cfg.engine.block_size == 8
+    assert cfg.engine.kv_high_water == 0.5 and cfg.engine.max_model_len == 128
+    assert cfg.engine.static_k == 2
+
+
+def test_empty_string_means_default():
+    cfg = parse_backend_config({"model_dir": "", "num_kv_blocks": "", "max_model_len": ""})
+    assert cfg.engine.model_dir is None and cfg.engine.num_kv_blocks == 1024 and cfg.engine.max_model_len is None
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({"speculation": "eagle"}, "speculation='eagle'"),
+        ({"policy": "sometimes"}, "policy='sometimes'"),
+        ({"num_kv_blocks": "lots"}, "num_kv_blocks='lots'"),
+        ({"num_kv_blocks": "0"}, "num_kv_blocks=0"),
+        ({"max_draft_tokens": "99"}, "max_draft_tokens=99"),
+        ({"pipeline_depth": "3"}, "pipeline_depth=3"),
+        ({"metrics": "maybe"}, "metrics='maybe'"),
+        ({"role": "router"}, "role='router'"),
+        ({"num_kv_block": "64"}, "num_kv_block='64'"),  # typo: unknown parameter
+    ],
+)
+def test_bad_parameter_error_names_parameter_and_value(params, fragment):
+    with pytest.raises(ValueError) as e:
+        parse_backend_config(params)
+    assert fragment in str(e.value)
+    assert str(e.value).startswith("parameter ")
+
+
+def test_upper_case_keys_are_left_to_triton():
+    parse_backend_config({"EXECUTION_ENV_PATH": "/env.tar.gz"})
+
+
+@pytest.mark.parametrize(("value", "expected"), [("on", True), ("off", False), ("TRUE", True), ("0", False)])
+def test_metrics_switch(value, expected):
+    assert parse_backend_config({"metrics": value}).metrics is expected
+
+
+def test_relative_checkpoint_paths_resolve_against_the_repository(tmp_path):
+    cfg = parse_backend_config({"model_dir": "ckpt/target"}, base_dir=tmp_path)
+    assert cfg.engine.model_dir == str((tmp_path / "ckpt" / "target").resolve())
+
+
+def test_stage_models_can_be_renamed():
+    cfg = parse_backend_config({"target_model": "big", "speculation": "draft", "draft_model": "small"})
+    assert cfg.stage_models["target"] == "big" and cfg.stages_in_use() == ["target", "draft"]
+
+
+@pytest.mark.parametrize(
+    ("params", "stages"),
+    [
+        ({}, ["target", "mtp"]),
+        ({"speculation": "none"}, ["target"]),
+        ({"speculation": "ngram"}, ["target"]),
+        ({"policy": "off"}, ["target"]),
+        ({"speculation": "draft"}, ["target", "draft"]),
+    ],
+)
+def test_stages_in_use_follow_the_speculation_method(params, stages):
+    assert parse_backend_config(params).stages_in_use() == stages
+
+
+def test_flatten_parameters_reads_triton_json():
+    assert flatten_parameters({"parameters": {"role": {"string_value": "mtp"}}}) == {"role": "mtp"}
+    assert flatten_parameters({}) == {}
+
+
+def test_generated_stage_configs_agree_with_the_orchestrator(tmp_path):
+    repo = write_model_repository(tmp_path, {"num_kv_blocks": "32", "model_dir": "/m/target"})
+    cfg = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"), base_dir=repo)
+    assert cfg.engine.num_kv_blocks == 32
+    assert check_stage_configs(cfg, repo) == []
+
+
+def test_kv_geometry_mismatch_with_a_stage_is_a_load_error(tmp_path):
+    repo = write_model_repository(tmp_path)
+    target_cfg = repo / "lightspec_target" / "config.pbtxt"
+    target_cfg.write_text(
+        target_cfg.read_text().replace(
+            '"num_kv_blocks" value: { string_value: "1024"', '"num_kv_blocks" value: { string_value: "512"'
+        )
+    )
+    cfg = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"), base_dir=repo)
+    with pytest.raises(ValueError, match=r"num_kv_blocks='1024': differs from stage model 'lightspec_target'"):
+        check_stage_configs(cfg, repo)
+
+
+def test_missing_stage_config_is_only_a_note(tmp_path):
+    repo = write_model_repository(tmp_path)
+    cfg = parse_backend_config({"target_model": "elsewhere"}, base_dir=repo)
+    notes = check_stage_configs(cfg, repo)
+    assert len(notes) == 1 and "elsewhere" in notes[0]
+
+
+def test_stage_with_wrong_role_is_rejected(tmp_path):
+    repo = write_model_repository(tmp_path)
+    cfg = parse_backend_config({"mtp_model": "lightspec_draft"}, base_dir=repo)
+    with pytest.raises(ValueError, match="mtp_model='lightspec_draft'"):
+        check_stage_configs(cfg, repo)

@@ -1,0 +1,84 @@
+"""The generated model repository: checked-in copy up to date, valid Triton configs, stage tensors
+matching the stage dataclasses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from lightspec_backend.params import parse_backend_config, read_config_parameters
+from lightspec_backend.repository import render_repository, stage_field_names, write_model_repository
+from lightspec_backend.tensors import INPUTS, OUTPUTS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def test_checked_in_model_repository_is_up_to_date():
+    for name, text in render_repository().items():
+        path = ROOT / "model_repository" / name / "config.pbtxt"
+        assert path.read_text() == text, f"{path} is stale: regenerate with write_model_repository('model_repository')"
+        assert (path.parent / "1").is_dir()
+
+
+def test_orchestrator_config_is_decoupled_and_declares_the_contract():
+    cfg = parse(render_repository()["lightspec"])
+    assert cfg.backend == "lightspec" and cfg.max_batch_size == 0 and cfg.model_transaction_policy.decoupled
+    assert [i.name for i in cfg.input] == [s.name for s in INPUTS]
+    assert [o.name for o in cfg.output] == [s.name for s in OUTPUTS]
+    assert all(i.optional for i in cfg.input)
+    assert cfg.parameters["role"].string_value == "orchestrator"
+    for key in (
+        "speculation",
+        "policy",
+        "max_draft_tokens",
+        "num_kv_blocks",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "pipeline_depth",
+        "metrics",
+        "target_model",
+        "mtp_model",
+        "draft_model",
+        "model_dir",
+        "mtp_dir",
+        "draft_dir",
+    ):
+        assert key in cfg.parameters, key
+
+
+@pytest.mark.parametrize("name", ["lightspec_target", "lightspec_mtp", "lightspec_draft"])
+def test_stage_configs_are_plain_cpu_models(name):
+    cfg = parse(render_repository()[name])
+    assert not cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
+    assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+    assert cfg.instance_group[0].count == 1
+
+
+def test_stage_tensor_tables_match_the_stage_dataclasses():
+    for cls, (table, dataclass_fields) in stage_field_names().items():
+        assert table == dataclass_fields, cls
+
+
+def test_overrides_reach_the_stages_that_use_them(tmp_path):
+    repo = write_model_repository(
+        tmp_path, {"model_dir": "/ckpt/target", "num_kv_blocks": 48, "num_threads": 1, "target_model": "big"}
+    )
+    target = read_config_parameters(repo / "big" / "config.pbtxt")
+    assert target["role"] == "target" and target["num_kv_blocks"] == "48" and target["model_dir"] == "/ckpt/target"
+    mtp = read_config_parameters(repo / "lightspec_mtp" / "config.pbtxt")
+    assert "num_kv_blocks" not in mtp and mtp["num_threads"] == "1"
+    orch = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"))
+    assert orch.stage_models["target"] == "big" and orch.engine.num_kv_blocks == 48
+
+
+def test_parameter_values_are_quoted(tmp_path):
+    repo = write_model_repository(tmp_path, {"model_dir": 'we"ird\\path'})
+    assert read_config_parameters(repo / "lightspec" / "config.pbtxt")["model_dir"] == 'we"ird\\path'
