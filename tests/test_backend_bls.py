@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from lightspec_backend.bls import BLSExecutor, StageError
 from lightspec_backend.params import Role
 from lightspec_backend.stage import StageModel
 from lightspec_backend.testing import FakePbUtils, FakeRequest
+
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from lightspec_core.engine import resolve_dirs
 from lightspec_core.stages import ModelCall, ModelRunner, MTPRunner

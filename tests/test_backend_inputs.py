@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from lightspec_backend.client import input_array
 from lightspec_backend.inputs import parse_request
 

@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 import pytest
-
 from lightspec_backend.client import input_array
 from lightspec_backend.metrics import MetricsReporter
 from lightspec_backend.orchestrator import Orchestrator
 from lightspec_backend.testing import FakePbUtils, FakeRequest
+
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from lightspec_backend.params import (
     Role,
     check_stage_configs,

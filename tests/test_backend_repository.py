@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
-
 from lightspec_backend.params import parse_backend_config, read_config_parameters
 from lightspec_backend.repository import render_repository, stage_field_names, write_model_repository
 from lightspec_backend.tensors import INPUTS, OUTPUTS
+from tritonclient.grpc import model_config_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 

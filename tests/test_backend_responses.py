@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightspec_backend.inputs import GenerateRequest
 from lightspec_backend.responses import RequestState, build_response
+
 from lightspec_core import RequestDelta, SamplingParams
 
 
