@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .inputs import parse_request
 from .metrics import MetricsReporter
@@ -47,6 +47,9 @@ class _Entry:
     abort_queued: bool = False
     shutting_down: bool = False
     closed: bool = False  # FINAL sent (or attempted); set by the response thread only
+    # Serialises is_cancelled() with send(): in Triton 2.51, is_cancelled() on a sender whose FINAL
+    # response went out (or is going out) reads a freed response factory and crashes the server.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def id(self) -> str:
@@ -237,15 +240,16 @@ class Orchestrator:
             if item is None:
                 return
             entry, payload = item
-            if entry.closed:
-                continue
-            try:
-                final = self._send(entry, payload)
-            except Exception:  # a broken client connection must not stop other responses
-                self.log.log_error(f"[lightspec] sending a response failed: {traceback.format_exc()}")
-                final = True
+            with entry.lock:
+                if entry.closed:
+                    continue
+                try:
+                    final = self._send(entry, payload)
+                except Exception:  # a broken client connection must not stop other responses
+                    self.log.log_error(f"[lightspec] sending a response failed: {traceback.format_exc()}")
+                    final = True
+                entry.closed = final
             if final:
-                entry.closed = True
                 with self._live_lock:
                     self._live.pop(entry.id, None)
 
@@ -275,10 +279,13 @@ class Orchestrator:
             with self._live_lock:
                 entries = [e for e in self._live.values() if not e.abort_queued and not e.closed]
             for entry in entries:
-                try:
-                    cancelled = entry.sender.is_cancelled()
-                except Exception:  # request already completed on the server side
-                    continue
+                with entry.lock:
+                    if entry.closed:
+                        continue
+                    try:
+                        cancelled = entry.sender.is_cancelled()
+                    except Exception:  # request already completed on the server side
+                        continue
                 if cancelled:
                     entry.abort_queued = True
                     self._inbox.put(("abort", entry.id))

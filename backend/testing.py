@@ -70,6 +70,7 @@ class FakeSender:
         self._cancelled = False
         self._final = threading.Event()
         self.sends_after_final = 0
+        self.is_cancelled_after_final = 0
 
     def send(self, response=None, flags: int = 0) -> None:
         if self._final.is_set():
@@ -79,6 +80,8 @@ class FakeSender:
             self._final.set()
 
     def is_cancelled(self) -> bool:
+        if self._final.is_set():  # crashes a real Triton 2.51 server; the backend must never do it
+            self.is_cancelled_after_final += 1
         return self._cancelled
 
     def cancel(self) -> None:

@@ -81,6 +81,7 @@ def test_concurrent_requests_each_get_exactly_one_final(served):
     time.sleep(0.1)
     for r in reqs:
         assert len(finals(r)) == 1 and r.sender.sends_after_final == 0
+        assert r.sender.is_cancelled_after_final == 0
         assert not r.sender.final.has_error()
     assert orch.num_in_flight() == 0
 

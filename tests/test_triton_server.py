@@ -1,0 +1,411 @@
+"""End to end through a real tritonserver (the nvidia-pytriton wheel's 2.51 binary, or one on PATH)
+started by the project's launcher on free ports, with the smoke model, over gRPC and HTTP."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from lightspec_backend import cli
+from lightspec_backend.client import grpc_inputs, is_final
+from lightspec_backend.launcher import TritonServer
+from lightspec_backend.repository import write_model_repository
+from tritonclient.utils import InferenceServerException
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+
+pytestmark = pytest.mark.triton
+
+MODELS = ["lightspec", "lightspec_target", "lightspec_mtp", "lightspec_draft"]
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def overrides(smoke_model) -> dict[str, str]:
+    return {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "64", "block_size": "16", "num_threads": "1"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, overrides):
+    root = tmp_path_factory.mktemp("triton")
+    repo = write_model_repository(root / "repo", overrides)
+    # Not loaded at start: used to check that bad parameters fail the model load.
+    bad = write_model_repository(root / "bad", {**overrides, "speculation": "eagle"})
+    (repo / "lightspec_bad").mkdir()
+    (repo / "lightspec_bad" / "1").mkdir()
+    text = (bad / "lightspec" / "config.pbtxt").read_text().replace('name: "lightspec"', 'name: "lightspec_bad"')
+    (repo / "lightspec_bad" / "config.pbtxt").write_text(text)
+    srv = TritonServer(repo, cache_dir=root / "cache", model_control_mode="explicit", load_models=MODELS)
+    srv.start(timeout_s=600)
+    yield srv
+    pid = srv.pid
+    assert srv.stop(timeout_s=60) is not None
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert "Traceback" not in srv.log_text(), srv.log_tail(80)
+
+
+@pytest.fixture(scope="module")
+def reference(overrides):
+    """The in-process engine with the same configuration, for greedy reference outputs."""
+    engine = LLMEngine(EngineConfig(model_dir=overrides["model_dir"], num_kv_blocks=64, block_size=16))
+    yield engine
+    engine.close()
+
+
+def greedy(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
+    return reference.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].text
+
+
+def grpc_generate(url: str, timeout: float = 120.0, **tensors):
+    """One request over a gRPC stream: (data results, error or None)."""
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    out = []
+    try:
+        client.async_stream_infer("lightspec", grpc_inputs(**tensors), enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                return out, error
+            if result.get_response().outputs:
+                out.append(result)
+            if is_final(result):
+                return out, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def texts(results) -> list[str]:
+    return [r.as_numpy("text_output")[0].decode() for r in results]
+
+
+def http_post(server: TritonServer, path: str, body: dict, timeout: float = 120.0):
+    req = urllib.request.Request(
+        f"http://{server.http_url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def metrics(server: TritonServer) -> dict[str, float]:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        body = r.read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line.startswith("lightspec:"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def metric(values: dict[str, float], name: str, **labels) -> float:
+    pattern = re.compile(rf"^lightspec:{re.escape(name)}\{{(.*)\}}$")
+    total, found = 0.0, False
+    for key, v in values.items():
+        m = pattern.match(key)
+        if m and all(f'{k}="{val}"' in m.group(1) for k, val in labels.items()):
+            total, found = total + v, True
+    assert found, f"metric lightspec:{name} {labels} not exported"
+    return total
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+
+def test_grpc_stream_equals_non_stream_and_in_process_engine(server, reference):
+    want = greedy(reference, PROMPT, 16)
+    streamed, err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=16, stream=True)
+    assert err is None
+    assert len(streamed) > 1
+    whole, err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=16, exclude_input_in_output=True)
+    assert err is None and len(whole) == 1
+    assert "".join(texts(streamed)) == texts(whole)[0] == want
+    ids = np.concatenate([r.as_numpy("output_ids") for r in streamed]).tolist()
+    assert ids == whole[0].as_numpy("output_ids").tolist()
+    assert streamed[-1].as_numpy("finish_reason")[0] == b"length"
+    assert all(r.as_numpy("finish_reason")[0] == b"" for r in streamed[:-1])
+
+
+def test_non_stream_includes_the_prompt_by_default_and_counts_tokens(server, reference):
+    (result,), err = grpc_generate(
+        server.grpc_url, text_input=PROMPT, max_tokens=8, return_num_input_tokens=True, return_num_output_tokens=True
+    )
+    assert err is None
+    assert result.as_numpy("text_output")[0].decode() == PROMPT + greedy(reference, PROMPT, 8)
+    assert result.as_numpy("num_output_tokens")[0] == 8
+    assert result.as_numpy("num_input_tokens")[0] == len(reference.tokenizer.encode(PROMPT).ids)
+    drafted, accepted = result.as_numpy("total_draft_tokens")[0], result.as_numpy("total_accepted_draft_tokens")[0]
+    rate = result.as_numpy("acceptance_rate")[0]
+    assert 0 <= accepted <= drafted and rate == pytest.approx(accepted / drafted if drafted else 0.0)
+
+
+def test_input_ids_prompt(server, reference):
+    ids = reference.tokenizer.encode(PROMPT).ids
+    (result,), err = grpc_generate(server.grpc_url, input_ids=ids, max_tokens=6, exclude_input_in_output=True)
+    assert err is None and result.as_numpy("text_output")[0].decode() == greedy(reference, PROMPT, 6)
+
+
+def test_http_generate_returns_one_response(server, reference):
+    status, body = http_post(
+        server,
+        "/v2/models/lightspec/generate",
+        {"text_input": PROMPT, "max_tokens": 12, "exclude_input_in_output": True},
+    )
+    assert status == 200, body
+    out = json.loads(body)
+    assert out["text_output"] == greedy(reference, PROMPT, 12) and out["finish_reason"] == "length"
+
+
+def test_http_generate_stream_sends_server_sent_events(server, reference):
+    status, body = http_post(
+        server, "/v2/models/lightspec/generate_stream", {"text_input": PROMPT, "max_tokens": 12, "stream": True}
+    )
+    assert status == 200, body
+    events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == greedy(reference, PROMPT, 12)
+    assert events[-1]["finish_reason"] == "length"
+
+
+def test_sixteen_concurrent_streams_complete(server):
+    outcomes: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        outcomes[i] = grpc_generate(
+            server.grpc_url,
+            text_input=f"def f{i}(x):\n    return",
+            max_tokens=8 + i % 5,
+            stream=True,
+            exclude_input_in_output=True,
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(outcomes) == list(range(16))
+    for i, (results, err) in outcomes.items():
+        assert err is None, (i, err)
+        ids = np.concatenate([r.as_numpy("output_ids") for r in results])
+        reason = results[-1].as_numpy("finish_reason")[0]
+        assert reason in (b"length", b"stop") and 0 < len(ids) <= 8 + i % 5
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def raw_input(name: str, arr: np.ndarray, datatype: str):
+    t = grpcclient.InferInput(name, list(arr.shape), datatype)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def grpc_error(url: str, inputs: list) -> str:
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("lightspec", inputs, enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=60)
+            if error is not None:
+                return error.message()
+            assert not result.get_response().outputs, "bad input produced data"
+            if is_final(result):
+                return ""
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def prompt_input():
+    return raw_input("text_input", np.array([PROMPT.encode()], dtype=object), "BYTES")
+
+
+BAD_REQUESTS = {
+    "missing prompt": (lambda: [raw_input("max_tokens", np.array([4], np.int32), "INT32")], "text_input"),
+    "wrong dtype": (lambda: [prompt_input(), raw_input("max_tokens", np.array([4], np.int64), "INT64")], "max_tokens"),
+    "wrong shape": (
+        lambda: [prompt_input(), raw_input("max_tokens", np.array([4, 4], np.int32), "INT32")],
+        "max_tokens",
+    ),
+    "max_tokens 0": (lambda: grpc_inputs(text_input=PROMPT, max_tokens=0), "max_tokens=0"),
+    "max_tokens negative": (lambda: grpc_inputs(text_input=PROMPT, max_tokens=-5), "max_tokens=-5"),
+    "max_tokens over context": (lambda: grpc_inputs(text_input=PROMPT, max_tokens=100_000), "max_tokens=100000"),
+    "max_tokens + prompt over context": (lambda: grpc_inputs(text_input=PROMPT, max_tokens=1020), "max_tokens=1020"),
+    "temperature negative": (lambda: grpc_inputs(text_input=PROMPT, temperature=-1.0), "temperature=-1.0"),
+    "top_p zero": (lambda: grpc_inputs(text_input=PROMPT, top_p=0.0), "top_p=0.0"),
+    "top_p above one": (lambda: grpc_inputs(text_input=PROMPT, top_p=1.5), "top_p=1.5"),
+    "top_k negative": (lambda: grpc_inputs(text_input=PROMPT, top_k=-1), "top_k=-1"),
+    "num_draft_tokens negative": (lambda: grpc_inputs(text_input=PROMPT, num_draft_tokens=-1), "num_draft_tokens"),
+    "prompt too long": (lambda: grpc_inputs(input_ids=[5] * 1100, max_tokens=1), "prompt"),
+    "token id outside vocabulary": (lambda: grpc_inputs(input_ids=[5, 10**6]), "input_ids"),
+    "invalid utf-8": (lambda: grpc_inputs(text_input=b"\xff\xfe\xfd"), "text_input: invalid UTF-8"),
+    "empty stop word": (lambda: grpc_inputs(text_input=PROMPT, stop_words=[""]), "stop_words"),
+}
+
+
+def test_bad_inputs_are_rejected_while_a_good_stream_completes(server, reference):
+    good: dict = {}
+    t = threading.Thread(
+        target=lambda: good.update(
+            out=grpc_generate(
+                server.grpc_url, text_input=PROMPT, max_tokens=60, stream=True, exclude_input_in_output=True
+            )
+        )
+    )
+    t.start()
+    try:
+        for case, (make_inputs, fragment) in BAD_REQUESTS.items():
+            message = grpc_error(server.grpc_url, make_inputs())
+            assert fragment in message, f"{case}: {message!r}"
+    finally:
+        t.join(300)
+    results, err = good["out"]
+    assert err is None and "".join(texts(results)) == greedy(reference, PROMPT, 60)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_tokens": 4},
+        {"text_input": PROMPT, "max_tokens": 0},
+        {"text_input": PROMPT, "temperature": -1},
+        {"text_input": PROMPT, "top_p": 2.0},
+        {"text_input": PROMPT, "max_tokens": 100_000},
+    ],
+)
+def test_http_bad_input_is_http_400(server, body):
+    # (A JSON value of the wrong type, e.g. "max_tokens": "many", is refused by Triton's HTTP
+    # frontend itself with HTTP 500 in 2.51, before the model sees it.)
+    status, text = http_post(server, "/v2/models/lightspec/generate", body)
+    assert status == 400, text
+
+
+def test_unknown_speculation_parameter_fails_model_load(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException) as e:
+        client.load_model("lightspec_bad")
+    assert "speculation='eagle'" in str(e.value)
+    assert not client.is_model_ready("lightspec_bad")
+    assert client.is_model_ready("lightspec") and client.is_server_live()
+
+
+def test_bad_policy_in_a_config_override_fails_model_load(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    cfg = client.get_model_config("lightspec", as_json=True)["config"]
+    cfg["name"] = "lightspec_bad"
+    cfg["parameters"]["policy"] = {"string_value": "sometimes"}
+    with pytest.raises(InferenceServerException) as e:
+        client.load_model("lightspec_bad", config=json.dumps(cfg))
+    assert "policy='sometimes'" in str(e.value)
+
+
+# ---- cancellation and metrics -------------------------------------------------------------------
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def test_cancelled_stream_frees_its_request_and_kv_blocks(server):
+    before = metrics(server)
+    failures_before = metric(before, "request_failure_total")
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    received = []
+    client.start_stream(callback=lambda result, error: received.append((result, error)))
+    client.async_stream_infer(
+        "lightspec", grpc_inputs(text_input=PROMPT, max_tokens=1000, ignore_eos=True, stream=True)
+    )
+    assert wait_for(lambda: metric(metrics(server), "num_requests_running") == 1, timeout=60)
+    assert metric(metrics(server), "kv_cache_usage_ratio") > 0
+    assert wait_for(lambda: len(received) > 2, timeout=60)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert wait_for(lambda: metric(metrics(server), "num_requests_running") == 0, timeout=30)
+    after = metrics(server)
+    assert metric(after, "kv_cache_usage_ratio") == 0
+    assert metric(after, "request_failure_total") == failures_before + 1  # the engine counted it cancelled
+    assert len(received) < 999
+    # and the server still serves
+    (result,), err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=4)
+    assert err is None
+
+
+def test_lightspec_metrics_are_exported(server):
+    grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=12, stream=True)
+    values = wait_for(lambda: (v := metrics(server)) and metric(v, "num_requests_running") == 0 and v)
+    for name in (
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_ratio",
+        "kv_cache_fragmentation_ratio",
+        "generation_tokens_total",
+        "prompt_tokens_total",
+        "num_preemptions_total",
+        "mean_acceptance_length",
+    ):
+        metric(values, name, model="lightspec", version="1")
+    metric(values, "spec_decode_num_accepted_tokens_per_pos_total", position="0")
+    for histogram in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "scheduler_decision_seconds",
+        "draft_tokens_per_step",
+    ):
+        assert metric(values, f"{histogram}_count") > 0, histogram
+        metric(values, f"{histogram}_bucket", le="+Inf")
+    assert metric(values, "stage_latency_seconds_count", stage="target") > 0
+    assert metric(values, "generation_tokens_total") >= 12
+
+
+def test_metrics_off_exports_no_families(server, overrides, tmp_path):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    cfg = client.get_model_config("lightspec", as_json=True)["config"]
+    cfg["name"] = "lightspec_bad"  # a model directory that exists in the repository
+    cfg["parameters"]["metrics"] = {"string_value": "off"}
+    client.load_model("lightspec_bad", config=json.dumps(cfg))
+    try:
+        assert client.is_model_ready("lightspec_bad")
+        assert not [k for k in metrics(server) if 'model="lightspec_bad"' in k]
+    finally:
+        client.unload_model("lightspec_bad")
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+
+def test_cli_generate_streams_text_and_prints_stats(server, reference, capsys):
+    assert cli.main(["generate", PROMPT, "--url", server.grpc_url, "--max-tokens", "10"]) == 0
+    out, err = capsys.readouterr()
+    assert out.rstrip("\n") == greedy(reference, PROMPT, 10)
+    assert "10 tokens in" in err and "tokens/s" in err and "acceptance rate" in err
+
+
+def test_cli_generate_reports_invalid_arguments(server, capsys):
+    assert cli.main(["generate", PROMPT, "--url", server.grpc_url, "--max-tokens", "0"]) == 1
+    assert "max_tokens=0" in capsys.readouterr().err
