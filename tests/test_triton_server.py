@@ -40,10 +40,10 @@ def server(tmp_path_factory, overrides):
     repo = write_model_repository(root / "repo", overrides)
     # Not loaded at start: used to check that bad parameters fail the model load.
     bad = write_model_repository(root / "bad", {**overrides, "speculation": "eagle"})
-    (repo / "lightspec_bad").mkdir()
-    (repo / "lightspec_bad" / "1").mkdir()
-    text = (bad / "lightspec" / "config.pbtxt").read_text().replace('name: "lightspec"', 'name: "lightspec_bad"')
-    (repo / "lightspec_bad" / "config.pbtxt").write_text(text)
+    (repo / "lightspec_alt").mkdir()
+    (repo / "lightspec_alt" / "1").mkdir()
+    text = (bad / "lightspec" / "config.pbtxt").read_text().replace('name: "lightspec"', 'name: "lightspec_alt"')
+    (repo / "lightspec_alt" / "config.pbtxt").write_text(text)
     srv = TritonServer(repo, cache_dir=root / "cache", model_control_mode="explicit", load_models=MODELS)
     srv.start(timeout_s=600)
     yield srv
@@ -65,14 +65,14 @@ def greedy(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
     return reference.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].text
 
 
-def grpc_generate(url: str, timeout: float = 120.0, **tensors):
+def grpc_generate(url: str, timeout: float = 120.0, model: str = "lightspec", **tensors):
     """One request over a gRPC stream: (data results, error or None)."""
     client = grpcclient.InferenceServerClient(url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     out = []
     try:
-        client.async_stream_infer("lightspec", grpc_inputs(**tensors), enable_empty_final_response=True)
+        client.async_stream_infer(model, grpc_inputs(**tensors), enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:
@@ -300,19 +300,19 @@ def test_http_bad_input_is_http_400(server, body):
 def test_unknown_speculation_parameter_fails_model_load(server):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException) as e:
-        client.load_model("lightspec_bad")
+        client.load_model("lightspec_alt")
     assert "speculation='eagle'" in str(e.value)
-    assert not client.is_model_ready("lightspec_bad")
+    assert not client.is_model_ready("lightspec_alt")
     assert client.is_model_ready("lightspec") and client.is_server_live()
 
 
 def test_bad_policy_in_a_config_override_fails_model_load(server):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     cfg = client.get_model_config("lightspec", as_json=True)["config"]
-    cfg["name"] = "lightspec_bad"
+    cfg["name"] = "lightspec_alt"
     cfg["parameters"]["policy"] = {"string_value": "sometimes"}
     with pytest.raises(InferenceServerException) as e:
-        client.load_model("lightspec_bad", config=json.dumps(cfg))
+        client.load_model("lightspec_alt", config=json.dumps(cfg))
     assert "policy='sometimes'" in str(e.value)
 
 
@@ -383,17 +383,45 @@ def test_lightspec_metrics_are_exported(server):
     assert metric(values, "generation_tokens_total") >= 12
 
 
-def test_metrics_off_exports_no_families(server, overrides, tmp_path):
+def load_variant(server: TritonServer, **parameters):
+    """Load ``lightspec_alt``: the ``lightspec`` config with some parameters changed. It shares the
+    stage models (and so their KV pools) with ``lightspec``: use one of the two at a time."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     cfg = client.get_model_config("lightspec", as_json=True)["config"]
-    cfg["name"] = "lightspec_bad"  # a model directory that exists in the repository
-    cfg["parameters"]["metrics"] = {"string_value": "off"}
-    client.load_model("lightspec_bad", config=json.dumps(cfg))
+    cfg["name"] = "lightspec_alt"  # a model directory that exists in the repository
+    cfg["parameters"].update({k: {"string_value": v} for k, v in parameters.items()})
+    client.load_model("lightspec_alt", config=json.dumps(cfg))
+    return client
+
+
+def test_metrics_off_exports_no_families(server):
+    client = load_variant(server, metrics="off")
     try:
-        assert client.is_model_ready("lightspec_bad")
-        assert not [k for k in metrics(server) if 'model="lightspec_bad"' in k]
+        assert client.is_model_ready("lightspec_alt")
+        assert not [k for k in metrics(server) if 'model="lightspec_alt"' in k]
     finally:
-        client.unload_model("lightspec_bad")
+        client.unload_model("lightspec_alt")
+
+
+def test_pipeline_depth_two_over_bls_matches_the_engine(server, reference):
+    client = load_variant(server, pipeline_depth="2")
+    try:
+        prompts = [f"def g{i}(a, b):" for i in range(4)]
+        outs = {}
+
+        def run(p):
+            outs[p] = grpc_generate(server.grpc_url, model="lightspec_alt", text_input=p, max_tokens=10, stream=True)
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for p in prompts:
+            results, err = outs[p]
+            assert err is None and "".join(texts(results)) == greedy(reference, p, 10)
+    finally:
+        client.unload_model("lightspec_alt")
 
 
 # ---- command line ---------------------------------------------------------------------------------

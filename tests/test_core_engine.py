@@ -1,0 +1,176 @@
+"""LLMEngine end to end in process: lossless speculation, preemption, streaming, stops, aborts."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+from lightspec_core.engine import build_local_executor
+from lightspec_core.train import stdlib_files
+
+
+def heldout_prompts(n: int, tok_lens=(12, 20, 31, 45, 60, 75, 90, 110)) -> list[str]:
+    _, valid = stdlib_files()
+    prompts = []
+    for i, path in enumerate(valid[3 : 3 + 5 * n : 5]):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        prompts.append(text[: 4 * tok_lens[i % len(tok_lens)]])
+    return prompts
+
+
+def run(root, prompts, params, **kw):
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), **kw))
+    try:
+        outs = eng.generate(prompts, params)
+        eng.blocks.check_invariants()
+        assert eng.blocks.usage() == 0.0, "blocks leaked after all requests ended"
+        return outs, eng
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def exactness_setup(default_model):
+    prompts = heldout_prompts(8)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    ref, _ = run(default_model, prompts, params, speculation="none", policy="off")
+    return default_model, prompts, params, [o.output_token_ids for o in ref]
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft", "ngram"])
+@pytest.mark.parametrize("policy", ["dynamic", "static:3"])
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("tiny_pool", [False, True], ids=["pool", "tiny-pool"])
+def test_greedy_speculation_is_lossless(exactness_setup, method, policy, depth, tiny_pool):
+    root, prompts, params, ref = exactness_setup
+    kw = dict(num_kv_blocks=40, block_size=8) if tiny_pool else {}
+    outs, eng = run(root, prompts, params, speculation=method, policy=policy, pipeline_depth=depth, **kw)
+    assert [o.output_token_ids for o in outs] == ref
+    assert all(len(o.output_token_ids) == 64 for o in outs)
+    if tiny_pool:
+        assert eng.scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
+    if method != "draft" or policy != "dynamic":
+        assert sum(o.num_accepted_tokens for o in outs) > 0, "no draft was ever accepted: the test proves nothing"
+
+
+def test_streamed_deltas_concatenate_to_the_full_output(smoke_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="ngram"))
+    prompt = "naïve café — ünïcödé ✓ 日本語 " * 3
+    eng.add_request("r", prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+    text, ids, finals = "", [], 0
+    while eng.has_unfinished():
+        for d in eng.step():
+            text += d.new_text
+            ids += d.new_token_ids
+            finals += d.finished
+    assert finals == 1
+    assert text == eng.tok.decode(ids)
+    assert eng.tok.decode(eng.tok.encode(prompt)) == prompt
+
+
+def test_stop_string_truncates_inside_an_accepted_block(default_model):
+    prompt = heldout_prompts(1)[0]
+    free, _ = run(default_model, [prompt], SamplingParams(max_tokens=40, ignore_eos=True), speculation="none")
+    full = free[0].text
+    stop = full[12:15]
+    assert stop and stop in full
+    outs, _ = run(default_model, [prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]),
+                  speculation="ngram", policy="static:4")
+    o = outs[0]
+    assert o.finish_reason == "stop"
+    assert o.text == full[: full.index(stop)]
+    # no token after the one completing the stop string is emitted
+    assert o.output_token_ids == free[0].output_token_ids[: len(o.output_token_ids)]
+    assert stop not in o.text
+
+
+def test_end_id_stops_generation(smoke_model):
+    free, _ = run(smoke_model, ["def f(x):"], SamplingParams(max_tokens=20, ignore_eos=True), speculation="none")
+    ids = free[0].output_token_ids
+    end = ids[5]
+    outs, _ = run(smoke_model, ["def f(x):"], SamplingParams(max_tokens=20, ignore_eos=True, end_id=end),
+                  speculation="mtp")
+    assert outs[0].finish_reason == "stop"
+    assert outs[0].output_token_ids == ids[: ids.index(end) + 1]
+
+
+def test_abort_frees_blocks_and_ends_with_cancelled(smoke_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", pipeline_depth=2))
+    for i in range(4):
+        eng.add_request(f"r{i}", "import os\n" * (i + 1), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.abort("r1")
+    eng.abort("r3")
+    finals = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.finished:
+                finals[d.request_id] = d.finish_reason
+            if d.request_id in ("r1", "r3") and d.finished:
+                assert d.new_text == "" or isinstance(d.new_text, str)
+        if "r1" in finals and "r3" in finals:
+            eng.abort("r0")
+            eng.abort("r2")
+    assert finals == {"r0": "cancelled", "r1": "cancelled", "r2": "cancelled", "r3": "cancelled"}
+    assert eng.blocks.usage() == 0.0
+    eng.blocks.check_invariants()
+
+
+def test_bad_requests_are_rejected_with_the_field_named(smoke_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), num_kv_blocks=8, block_size=8))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request("a", list(range(3, 3 + 70)))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request("b", "")
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request("c", "x = 1", SamplingParams(max_tokens=64))
+    for field, kw in [("max_tokens", dict(max_tokens=0)), ("temperature", dict(temperature=-1.0)),
+                      ("top_p", dict(top_p=0.0)), ("top_p", dict(top_p=1.5))]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="speculation"):
+        EngineConfig(speculation="medusa")
+    with pytest.raises(ValueError, match="policy"):
+        EngineConfig(policy="static:x")
+
+
+def test_higher_priority_is_admitted_first(smoke_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), max_num_seqs=1))
+    eng.add_request("low", "a = 1", SamplingParams(max_tokens=3, priority=0))
+    eng.add_request("high", "b = 2", SamplingParams(max_tokens=3, priority=5))
+    order = []
+    while eng.has_unfinished():
+        order += [d.request_id for d in eng.step() if d.finished]
+    assert order == ["high", "low"]
+
+
+class FlakyExecutor:
+    """Wraps the local executor; the first target call fails like a crashed stage model."""
+
+    def __init__(self, inner):
+        self.inner, self.failed = inner, False
+
+    def submit(self, stage, call):
+        if stage == "target" and not self.failed:
+            self.failed = True
+            f = Future()
+            f.set_exception(RuntimeError("stage lightspec_target crashed"))
+            return f
+        return self.inner.submit(stage, call)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_stage_failure_fails_the_micro_batch_and_engine_keeps_serving(smoke_model):
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp")
+    eng = LLMEngine(cfg, executor=FlakyExecutor(build_local_executor(cfg)))
+    out = eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=4))
+    assert [o.finish_reason for o in out] == ["error", "error"]
+    assert "crashed" in out[0].error
+    assert eng.blocks.usage() == 0.0
+    again = eng.generate(["x = 1"], SamplingParams(max_tokens=4))[0]
+    assert again.finish_reason == "length" and len(again.output_token_ids) == 4
