@@ -230,14 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response")
     g.set_defaults(func=generate)
 
+    # Arguments after "bench" belong to lightspec_backend.bench; main() hands them over untouched.
     b = sub.add_parser("bench", help="benchmark (see lightspec_backend.bench)", add_help=False)
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
-    b.set_defaults(func=bench)
+    b.set_defaults(func=bench, bench_args=[])
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        args = build_parser().parse_args(["bench"])
+        args.bench_args = argv[1:]
+    else:
+        args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from lightspec_backend import cli
 
 pytestmark = pytest.mark.triton
@@ -37,9 +36,24 @@ def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_prints_endpoints_serves_and_stops_cleanly(smoke_model, tmp_path, sig, capsys):
     env = {**os.environ, "LIGHTSPEC_CACHE": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-c", "import sys; from lightspec_backend.cli import main; sys.exit(main())", "serve",
-           "--model-dir", str(smoke_model / "target"), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-           "--set", "num_kv_blocks=32", "--set", "num_threads=1"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from lightspec_backend.cli import main; sys.exit(main())",
+        "serve",
+        "--model-dir",
+        str(smoke_model / "target"),
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--set",
+        "num_kv_blocks=32",
+        "--set",
+        "num_threads=1",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out = read_until(proc, "Ctrl-C to stop", timeout=600)
