@@ -44,17 +44,25 @@ TRITON_TO_NUMPY = {
 INPUTS = [
     TensorSpec("text_input", "STRING", (1,), doc="prompt, UTF-8 (give this or `input_ids`)"),
     TensorSpec("input_ids", "INT64", (-1,), doc="prompt as token ids (give this or `text_input`)"),
-    TensorSpec("max_tokens", "INT32", (1,), doc="tokens to generate, default 64, at most the context length"),
+    TensorSpec(
+        "max_tokens", "INT32", (1,), doc="tokens to generate, default 64; prompt + max_tokens must fit the context"
+    ),
     TensorSpec(
         "stream", "BOOL", (1,), doc="default false: one response; true: one response per step with the new tokens"
     ),
     TensorSpec("temperature", "FP32", (1,), doc="default 0 (greedy); must be >= 0"),
     TensorSpec("top_p", "FP32", (1,), doc="default 1; in (0, 1]"),
     TensorSpec("top_k", "INT32", (1,), doc="default 0 (off); >= 0"),
-    TensorSpec("seed", "UINT64", (1,), doc="per-request sampling seed; default: engine seed"),
-    TensorSpec("stop_words", "STRING", (-1,), doc="stop strings; generation ends before the first match"),
-    TensorSpec("end_id", "INT32", (1,), doc="end-of-sequence token id; default: the tokenizer's"),
-    TensorSpec("ignore_eos", "BOOL", (1,), doc="default false; true keeps generating past end_id (benchmarks)"),
+    TensorSpec(
+        "seed", "UINT64", (1,), doc="per-request sampling seed; default derived from the engine seed and the request"
+    ),
+    TensorSpec("stop_words", "STRING", (-1,), doc="stop strings; the text ends before the first match"),
+    TensorSpec(
+        "end_id", "INT32", (1,), doc="extra end-of-sequence token id (the tokenizer's EOS stops unless ignore_eos)"
+    ),
+    TensorSpec(
+        "ignore_eos", "BOOL", (1,), doc="default false; true keeps generating past the tokenizer's EOS (benchmarks)"
+    ),
     TensorSpec(
         "exclude_input_in_output", "BOOL", (1,), doc="default false: non-streaming `text_output` starts with the prompt"
     ),

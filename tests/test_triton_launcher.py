@@ -1,0 +1,25 @@
+"""The launcher against a real tritonserver: a model that cannot load stops the start with the
+server's own message, and nothing is left running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightspec_backend.launcher import TritonServer
+from lightspec_backend.repository import render_repository
+
+pytestmark = pytest.mark.triton
+
+
+def test_start_fails_with_the_model_load_error(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "lightspec" / "1").mkdir(parents=True)
+    text = render_repository({"speculation": "eagle"})["lightspec"]
+    (repo / "lightspec" / "config.pbtxt").write_text(text)
+    server = TritonServer(repo, cache_dir=tmp_path / "cache")
+    with pytest.raises(RuntimeError) as e:
+        server.start(timeout_s=300)
+    assert "speculation='eagle'" in str(e.value)
+    assert not server.is_alive() and not Path(f"/proc/{server.pid}").exists()
