@@ -87,15 +87,15 @@ class AcceptanceStats:
         return self.accepted / self.reached
 
 
-def request_alphas(pos_reached: list[float], pos_accepted: list[float], global_rates: np.ndarray,
+def request_alphas(pos_reached: list[float], pos_accepted: list[float], global_rates: list[float],
                    k: int, strength: float = 4.0) -> list[float]:
-    """Per-request rates smoothed toward the global ones while the request has little history."""
-    out = []
-    for j in range(k):
-        r = pos_reached[j] if j < len(pos_reached) else 0.0
-        a = pos_accepted[j] if j < len(pos_accepted) else 0.0
-        out.append((a + strength * global_rates[j]) / (r + strength))
-    return out
+    """Per-request rates smoothed toward the global ones while the request has little history.
+    (Plain lists: this runs for every decoding request every step.)"""
+    n = len(pos_reached)
+    return [
+        (pos_accepted[j] + strength * global_rates[j]) / (pos_reached[j] + strength) if j < n else global_rates[j]
+        for j in range(k)
+    ]
 
 
 @dataclass

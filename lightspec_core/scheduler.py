@@ -111,6 +111,8 @@ class Scheduler:
 
     def _schedule_running(self, seq, budget, busy, in_plan) -> ScheduledSeq | None:
         n, samples = self._feed(seq, budget)
+        if len(self.blocks.tables.get(seq.request_id, ())) * self.blocks.block_size >= seq.num_computed + n:
+            return ScheduledSeq(seq, n, samples=samples)  # fast path: the slots are already there
         while not self.blocks.ensure(seq.request_id, seq.num_computed + n):
             victim = self._pick_victim(busy, in_plan)
             if victim is None:
@@ -161,12 +163,13 @@ class Scheduler:
         bs = self.blocks.block_size
         high = self.blocks.usage() >= self.kv_high_water
         free_slots = self.blocks.num_free * bs
-        rates = self.acceptance.rates()
+        rates = self.acceptance.rates().tolist()
+        tables = self.blocks.tables
         inputs = []
         for it in cands:
             seq = it.seq
             limit = seq.draft_cap(self.max_k)
-            have = len(self.blocks.table(seq.request_id)) * bs - seq.num_tokens  # slots after the newest token
+            have = len(tables[seq.request_id]) * bs - len(seq.token_ids)  # slots after the newest token
             room = have if high else have + free_slots
             limit = max(0, min(limit, room))
             inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates, limit)))
