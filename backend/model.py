@@ -15,23 +15,31 @@ lives in the importable, Triton-free ``lightspec_backend`` package.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
-from lightspec_backend.params import Role, check_stage_configs, flatten_parameters, parse_backend_config
+from lightspec_backend.params import (
+    Role,
+    check_single_instance,
+    check_stage_configs,
+    flatten_parameters,
+    parse_backend_config,
+)
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         model_config = json.loads(args["model_config"])
         repository = Path(args["model_repository"]).parent
+        check_single_instance(model_config)
         self.config = parse_backend_config(flatten_parameters(model_config), base_dir=repository)
         self.name = args["model_name"]
         if self.config.role is Role.ORCHESTRATOR:
             self.impl = _orchestrator(args, model_config, self.config, repository)
         else:
             self.impl = _stage(args, self.config)
-        pb_utils.Logger.log_info(f"[lightspec] {self.name}: role={self.config.role.value} ready")
+        pb_utils.Logger.log_info(f"[lightspec] {self.name}: role={self.config.role.value} ready (python {sys.prefix})")
 
     def execute(self, requests: list):
         return self.impl.execute(requests)

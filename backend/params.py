@@ -115,6 +115,18 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models)
 
 
+def check_single_instance(model_config: dict) -> None:
+    """Every LightSpec model must run as exactly one instance: the orchestrator's engine allocates
+    KV blocks for one pool per KV stage, and a second instance of either would own blocks (or a
+    pool) the other does not know about."""
+    counts = [int(g.get("count", 1)) for g in model_config.get("instance_group", [])]
+    if sum(counts) > 1:
+        raise ValueError(
+            f"instance_group: count={sum(counts)}: LightSpec models need exactly one instance "
+            "(one engine owns the stages' KV pools)"
+        )
+
+
 def read_config_parameters(config_pbtxt: str | Path) -> dict[str, str]:
     """The ``parameters`` of a config.pbtxt file, parsed with Triton's own protobuf schema."""
     from google.protobuf import json_format, text_format

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from lightspec_backend.params import (
     Role,
+    check_single_instance,
     check_stage_configs,
     flatten_parameters,
     parse_backend_config,
@@ -127,3 +128,10 @@ def test_stage_with_wrong_role_is_rejected(tmp_path):
     cfg = parse_backend_config({"mtp_model": "lightspec_draft"}, base_dir=repo)
     with pytest.raises(ValueError, match="mtp_model='lightspec_draft'"):
         check_stage_configs(cfg, repo)
+
+
+def test_models_must_run_as_a_single_instance():
+    check_single_instance({"instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
+    check_single_instance({})
+    with pytest.raises(ValueError, match="instance_group: count=2"):
+        check_single_instance({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]})
