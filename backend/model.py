@@ -21,6 +21,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 from lightspec_backend.params import (
     Role,
+    check_checkpoints,
     check_single_instance,
     check_stage_configs,
     flatten_parameters,
@@ -34,6 +35,7 @@ class TritonPythonModel:
         repository = Path(args["model_repository"]).parent
         check_single_instance(model_config)
         self.config = parse_backend_config(flatten_parameters(model_config), base_dir=repository)
+        check_checkpoints(self.config)
         self.name = args["model_name"]
         if self.config.role is Role.ORCHESTRATOR:
             self.impl = _orchestrator(args, model_config, self.config, repository)

@@ -115,6 +115,29 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models)
 
 
+def check_checkpoints(config: BackendConfig) -> None:
+    """Fail early, naming the parameter, when a checkpoint this role needs is not there."""
+    from lightspec_core.engine import resolve_dirs
+
+    target, mtp, draft = resolve_dirs(config.engine)
+    role = config.role
+    needed = {
+        Role.ORCHESTRATOR: [("model_dir", target, "config.json")],
+        Role.TARGET: [("model_dir", target, "config.json")],
+        Role.MTP: [("model_dir", target, "config.json"), ("mtp_dir", mtp, "mtp_config.json")],
+        Role.DRAFT: [("draft_dir", draft, "config.json")],
+    }[role]
+    for param, path, marker in needed:
+        if not (Path(path) / marker).is_file():
+            value = getattr(config.engine, param) or ""
+            hint = (
+                " (empty: the embedded default model; train it with python -m lightspec_core.train)"
+                if not value
+                else ""
+            )
+            raise _bad(param, value, f"no checkpoint at {path}: {marker} missing{hint}")
+
+
 def check_single_instance(model_config: dict) -> None:
     """Every LightSpec model must run as exactly one instance: the orchestrator's engine allocates
     KV blocks for one pool per KV stage, and a second instance of either would own blocks (or a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from lightspec_backend.params import (
     Role,
+    check_checkpoints,
     check_single_instance,
     check_stage_configs,
     flatten_parameters,
@@ -135,3 +136,18 @@ def test_models_must_run_as_a_single_instance():
     check_single_instance({})
     with pytest.raises(ValueError, match="instance_group: count=2"):
         check_single_instance({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]})
+
+
+def test_missing_checkpoint_names_the_parameter(tmp_path, smoke_model):
+    check_checkpoints(parse_backend_config({"model_dir": str(smoke_model / "target")}))
+    check_checkpoints(parse_backend_config({"model_dir": str(smoke_model / "target"), "role": "mtp"}))
+    with pytest.raises(ValueError, match=r"parameter model_dir='.*nowhere': no checkpoint"):
+        check_checkpoints(parse_backend_config({"model_dir": str(tmp_path / "nowhere")}))
+    with pytest.raises(ValueError, match=r"parameter mtp_dir='.*nowhere'"):
+        check_checkpoints(
+            parse_backend_config(
+                {"model_dir": str(smoke_model / "target"), "role": "mtp", "mtp_dir": str(tmp_path / "nowhere")}
+            )
+        )
+    with pytest.raises(ValueError, match=r"parameter draft_dir="):
+        check_checkpoints(parse_backend_config({"model_dir": str(tmp_path / "t"), "role": "draft"}))

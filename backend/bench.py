@@ -1,0 +1,968 @@
+"""``lightspec bench``: throughput and latency of speculation configurations through a real Triton server.
+
+    lightspec bench --quick                                   # < 5 min on 2 cores
+    lightspec bench --json out.json --plot out.png            # none, static:1/2/4, dynamic x mtp; c = 1 4 16 64
+    lightspec bench --methods mtp ngram draft --workload mixed --rate 2
+    lightspec bench --hf ...                                  # lightspec_backend.bench_hf (HF side by side)
+
+One orchestrator model per configuration (``lightspec_none``, ``lightspec_mtp_static_2``,
+``lightspec_mtp_dynamic``, ...) in a generated repository; all share the stage models
+(``lightspec_target``, ``lightspec_mtp``, ``lightspec_draft``). The server runs with explicit model
+control and exactly one orchestrator is loaded at a time: the target stage's KV pool is indexed by
+block ids that each orchestrator allocates on its own, so two orchestrators must never use it at
+once, while one after the other is safe (a sequence only reads KV slots its own steps wrote).
+
+Clients are tritonclient gRPC streams. Closed loop (``--concurrency``): C workers, each with its own
+stream, send their next request when the previous one finished. Open loop (``--rate``): Poisson
+arrivals; latency counts from the scheduled arrival. Server-side numbers (acceptance length, draft
+tokens per step, scheduler decision time) are differences of the ``lightspec:`` metrics scraped
+before and after each run. See docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import queue
+import random
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CONFIGS = ["none", "static:1", "static:2", "static:4", "dynamic"]
+DEFAULT_CONCURRENCY = [1, 4, 16, 64]
+QUICK = {"concurrency": [1, 8], "configs": ["none", "static:2", "dynamic"], "max_tokens": 32, "num_prompts": 16}
+METHODS = ("mtp", "ngram", "draft")
+STAGES = {"mtp": "lightspec_mtp", "draft": "lightspec_draft"}
+TARGET_STAGE = "lightspec_target"
+ORCHESTRATOR = "lightspec"  # the repository's plain orchestrator: never loaded by the bench
+
+
+# ---- configurations ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunConfig:
+    """One server configuration: a speculation method and policy, served by its own orchestrator.
+
+    ``config`` is the user's label: ``none``, ``dynamic``, ``static`` or ``static:K``, optionally
+    suffixed ``@2`` for pipeline depth 2. The ``none`` baseline has ``method == "none"``."""
+
+    config: str
+    method: str
+    policy: str  # the orchestrator's policy parameter
+    pipeline_depth: int = 1
+
+    @property
+    def model_name(self) -> str:
+        if self.method == "none":
+            name = "lightspec_none"
+        else:
+            name = f"lightspec_{self.method}_{self.policy.replace(':', '_')}"
+        return name + (f"_d{self.pipeline_depth}" if self.pipeline_depth != 1 else "")
+
+    @property
+    def static_k(self) -> int | None:
+        return int(self.policy.split(":")[1]) if self.policy.startswith("static:") else None
+
+    def parameters(self, max_draft_tokens: int) -> dict[str, str]:
+        """The orchestrator parameters that make this configuration."""
+        k = self.static_k or 0
+        return {
+            "speculation": self.method,
+            "policy": self.policy,
+            "max_draft_tokens": str(max(max_draft_tokens, k)),
+            "pipeline_depth": str(self.pipeline_depth),
+        }
+
+
+def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
+    """``["none", "static:2", "dynamic@2"] x ["mtp", "ngram"]`` -> run configurations, ``none`` once."""
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"--methods {m!r}: expected some of {', '.join(METHODS)}")
+    out: list[RunConfig] = []
+    for spec in configs:
+        label, _, depth = spec.partition("@")
+        try:
+            depth_n = int(depth) if depth else 1
+        except ValueError:
+            raise SystemExit(f"--configs {spec!r}: expected CONFIG@DEPTH with DEPTH 1 or 2") from None
+        if depth_n not in (1, 2):
+            raise SystemExit(f"--configs {spec!r}: pipeline depth must be 1 or 2")
+        if label in ("none", "off"):
+            out.append(RunConfig(spec, "none", "off", depth_n))
+            continue
+        if not re.fullmatch(r"dynamic|static(:\d+)?", label):
+            raise SystemExit(f"--configs {spec!r}: expected none, dynamic, static or static:K (optionally @2)")
+        out += [RunConfig(spec, m, label, depth_n) for m in methods]
+    if len({c.model_name for c in out}) != len(out):
+        raise SystemExit(f"--configs {' '.join(configs)}: a configuration is listed twice")
+    return out
+
+
+def stages_for(configs: list[RunConfig]) -> list[str]:
+    """Stage models the configurations need: the target always, MTP heads / draft model when used."""
+    methods = {c.method for c in configs}
+    return [TARGET_STAGE] + [STAGES[m] for m in ("mtp", "draft") if m in methods]
+
+
+def write_bench_repository(
+    dst: str | Path, configs: list[RunConfig], overrides: dict[str, str], max_draft_tokens: int
+) -> Path:
+    """The stage models plus one orchestrator per configuration (and the plain ``lightspec`` one)."""
+    from .repository import default_parameters, render_orchestrator, write_model_repository
+
+    dst = write_model_repository(dst, overrides)
+    for c in configs:
+        params = {**default_parameters(), **overrides, **c.parameters(max_draft_tokens)}
+        (dst / c.model_name / "1").mkdir(parents=True, exist_ok=True)
+        (dst / c.model_name / "1" / ".gitkeep").touch()
+        (dst / c.model_name / "config.pbtxt").write_text(render_orchestrator(params, c.model_name))
+    return dst
+
+
+# ---- prompts --------------------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    text: str
+    kind: str = "code"  # code | shuffled | file
+
+
+def load_tokenizer(model_dir: str | Path | None):
+    """The model's ``tokenizers.Tokenizer`` (for trimming prompts), or ``None``."""
+    from tokenizers import Tokenizer
+
+    from lightspec_core import default_model_dir
+
+    path = Path(model_dir or default_model_dir()) / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
+
+
+def trim(text: str, max_tokens: int, tokenizer, sep: str = "\n") -> str:
+    """Drop leading lines (words, for ``sep=" "``) until the text is at most ``max_tokens`` tokens
+    (about 3 characters per token when there is no tokenizer)."""
+
+    def length(t: str) -> int:
+        return len(tokenizer.encode(t, add_special_tokens=False).ids) if tokenizer else math.ceil(len(t) / 3)
+
+    while length(text) > max_tokens:
+        cut = text.find(sep, 1 + len(text) // 10 if length(text) > 2 * max_tokens else 1)
+        text = text[cut + 1 :] if cut >= 0 else text[len(text) // 10 + 1 :]
+    return text
+
+
+def _code_windows(n: int, seed: int, max_chars: int) -> list[str]:
+    """``n`` windows of held-out standard-library code, each ending with a ``def ...:`` line (the
+    model continues the function body). Deterministic for a given seed and Python installation."""
+    from lightspec_core.train import stdlib_files
+
+    files = list(stdlib_files()[1])
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    out: list[str] = []
+    for _ in range(1 + n // max(len(files), 1)):  # more passes (other defs) when files are few
+        if len(out) == n:
+            break
+        for path in files:
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+            except (UnicodeDecodeError, OSError):
+                continue
+            defs = [
+                i for i, line in enumerate(lines) if line.lstrip().startswith("def ") and line.rstrip().endswith(":")
+            ]
+            if not defs:
+                continue
+            end = rng.choice(defs)
+            start, size = end, len(lines[end])
+            while start > 0 and size + len(lines[start - 1]) <= max_chars:
+                start -= 1
+                size += len(lines[start])
+            out.append("".join(lines[start : end + 1]))
+            if len(out) == n:
+                break
+    if len(out) < n:
+        raise RuntimeError(f"found only {len(out)} prompt windows in the held-out standard-library files")
+    return out
+
+
+def shuffle_words(text: str, rng: random.Random) -> str:
+    """Low-predictability text with code's vocabulary: the words of ``text`` in random order."""
+    words = text.split()
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def default_prompts(
+    n: int, tokenizer=None, max_prompt_tokens: int = 200, workload: str = "code", seed: int = 0
+) -> list[Prompt]:
+    """Held-out code prompts (``workload="code"``), or for ``"mixed"`` alternately a code prompt and
+    a shuffled-words prompt (even indices code, odd indices shuffled)."""
+    if workload not in ("code", "mixed"):
+        raise ValueError(f"workload={workload!r}: expected code or mixed")
+    windows = _code_windows(n, seed, max_chars=4 * max_prompt_tokens)
+    rng = random.Random(seed + 1)
+    out = []
+    for i, w in enumerate(windows):
+        if workload == "mixed" and i % 2 == 1:
+            out.append(Prompt(trim(shuffle_words(w, rng), max_prompt_tokens, tokenizer, " "), "shuffled"))
+        else:
+            out.append(Prompt(trim(w, max_prompt_tokens, tokenizer), "code"))
+    return out
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """JSON lines with a ``prompt`` field (and an optional ``kind``)."""
+    out = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            out.append(Prompt(str(obj["prompt"]), str(obj.get("kind", "file"))))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise SystemExit(f"--prompts {path}:{lineno}: expected a JSON object with a 'prompt' field") from None
+    if not out:
+        raise SystemExit(f"--prompts {path}: no prompts")
+    return out
+
+
+# ---- server metrics -------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+Metrics = dict[tuple[str, frozenset], float]
+
+
+def parse_metrics(text: str) -> Metrics:
+    """Prometheus text format -> {(name, frozenset(labels)): value}."""
+    out: Metrics = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or line.startswith("#"):
+            continue
+        labels = frozenset(_LABEL.findall(m.group(2) or ""))
+        with contextlib.suppress(ValueError):
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def scrape(url: str | None) -> Metrics | None:
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return parse_metrics(r.read().decode())
+    except OSError:
+        return None
+
+
+def metric(metrics: Metrics, name: str, model: str, **labels: str) -> float:
+    """Sum of the samples of ``lightspec:<name>`` for ``model`` (and the given labels)."""
+    want = {("model", model), *labels.items()}
+    return sum(v for (n, ls), v in metrics.items() if n == "lightspec:" + name and want <= ls)
+
+
+def histogram_delta(before: Metrics, after: Metrics, name: str, model: str) -> list[tuple[float, float]]:
+    """[(upper bound, cumulative count)] of a histogram's observations between two scrapes."""
+
+    def buckets(ms: Metrics) -> dict[float, float]:
+        out: dict[float, float] = defaultdict(float)
+        for (n, ls), v in ms.items():
+            d = dict(ls)
+            if n == f"lightspec:{name}_bucket" and d.get("model") == model:
+                out[float(d["le"])] += v
+        return out
+
+    b, a = buckets(before), buckets(after)
+    return sorted((le, a[le] - b.get(le, 0.0)) for le in a)
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket holding rank q;
+    a rank in the ``+Inf`` bucket gives the largest finite bound."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> dict:
+    """Acceptance length, draft tokens per step and scheduler decision time between two scrapes."""
+    keys = (
+        "mean_acceptance_length",
+        "mean_draft_tokens_per_step",
+        "scheduler_p50_ms",
+        "scheduler_p99_ms",
+        "preemptions",
+    )
+    if before is None or after is None:
+        return dict.fromkeys(keys)
+
+    def d(name: str) -> float:
+        return metric(after, name, model) - metric(before, name, model)
+
+    steps, accepted = d("spec_decode_num_steps_total"), d("spec_decode_num_accepted_tokens_total")
+    k_count = d("draft_tokens_per_step_count")
+    sched = histogram_delta(before, after, "scheduler_decision_seconds", model)
+    p50, p99 = histogram_quantile(0.5, sched), histogram_quantile(0.99, sched)
+    return {
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+        "mean_draft_tokens_per_step": d("draft_tokens_per_step_sum") / k_count if k_count else None,
+        "scheduler_p50_ms": None if p50 is None else 1000 * p50,
+        "scheduler_p99_ms": None if p99 is None else 1000 * p99,
+        "preemptions": int(d("num_preemptions_total")),
+    }
+
+
+def wait_for_requests(url: str | None, model: str, count: float, timeout_s: float = 10.0) -> Metrics | None:
+    """Scrape until the server's finished-request counter for ``model`` reaches ``count`` (the
+    backend publishes at most every 0.25 s and when the engine goes idle)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ms = scrape(url)
+        if ms is None:
+            return None
+        done = metric(ms, "request_success_total", model) + metric(ms, "request_failure_total", model)
+        if done >= count or time.monotonic() > deadline:
+            return ms
+        time.sleep(0.1)
+
+
+def finished_requests(ms: Metrics | None, model: str) -> float:
+    if ms is None:
+        return 0.0
+    return metric(ms, "request_success_total", model) + metric(ms, "request_failure_total", model)
+
+
+# ---- clients --------------------------------------------------------------------------------------------
+@dataclass
+class Record:
+    """What one request did, seen from the client (``perf_counter`` times)."""
+
+    kind: str
+    t_send: float
+    t_first: float | None = None
+    t_last: float | None = None
+    t_end: float | None = None
+    tokens: int = 0
+    responses: int = 0  # responses with tokens: one per engine step that produced tokens
+    drafted: int = 0
+    accepted: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    prompt: Prompt
+    max_tokens: int
+    temperature: float = 0.0
+
+    def inputs(self) -> list:
+        from .client import grpc_inputs
+
+        return grpc_inputs(
+            text_input=self.prompt.text,
+            max_tokens=self.max_tokens,
+            stream=True,
+            ignore_eos=True,
+            exclude_input_in_output=True,
+            temperature=self.temperature,
+        )
+
+
+class Stream:
+    """One gRPC client with one open stream; runs one request at a time."""
+
+    def __init__(self, url: str, timeout_s: float):
+        import tritonclient.grpc as grpcclient
+
+        self.timeout_s = timeout_s
+        self.client = grpcclient.InferenceServerClient(url)
+        self._q: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self._q.put((time.perf_counter(), result, error)))
+
+    def run(self, model: str, req: Request, t_send: float | None = None) -> Record:
+        from .client import is_final
+
+        inputs = req.inputs()
+        rec = Record(req.prompt.kind, t_send if t_send is not None else time.perf_counter())
+        self.client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            try:
+                t, result, error = self._q.get(timeout=self.timeout_s)
+            except queue.Empty:
+                rec.error, rec.t_end = f"no response for {self.timeout_s:.0f}s", time.perf_counter()
+                return rec
+            if error is not None:
+                rec.error, rec.t_end = str(error), t
+                return rec
+            if result.get_response().outputs:
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    rec.t_first = t if rec.t_first is None else rec.t_first
+                    rec.t_last = t
+                    rec.tokens += int(ids.size)
+                    rec.responses += 1
+                rec.drafted = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
+                rec.accepted = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+            if is_final(result):
+                rec.t_end = t
+                return rec
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.stop_stream()
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+def run_closed_loop(
+    url: str, model: str, requests: list[Request], concurrency: int, timeout_s: float = 600.0
+) -> tuple[list[Record], float]:
+    """C workers, each with its own stream, send their next request when the previous one finished.
+    Returns the records (in request order) and the wall time from the first send to the last answer."""
+    streams = [Stream(url, timeout_s) for _ in range(min(concurrency, len(requests)))]
+    records: list[Record | None] = [None] * len(requests)
+    todo = iter(range(len(requests)))
+    lock = threading.Lock()
+
+    def worker(stream: Stream) -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            records[i] = stream.run(model, requests[i])
+
+    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in streams]
+    t0 = time.perf_counter()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for s in streams:
+            s.close()
+    done = [r for r in records if r is not None]
+    return done, max((r.t_end for r in done), default=t0) - t0
+
+
+def run_open_loop(
+    url: str, model: str, requests: list[Request], rate: float, seed: int = 0, timeout_s: float = 600.0
+) -> tuple[list[Record], float]:
+    """Poisson arrivals at ``rate`` requests/s; a request's latency counts from its scheduled arrival
+    (so client-side queueing shows). Streams are pooled: one per request in flight."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, len(requests)))
+    idle: queue.Queue = queue.Queue()
+    for _ in range(min(len(requests), 16)):
+        idle.put(Stream(url, timeout_s))
+    made: list[Stream] = list(idle.queue)
+
+    def one(i: int, t_send: float) -> Record:
+        try:
+            stream = idle.get_nowait()
+        except queue.Empty:
+            stream = Stream(url, timeout_s)
+            made.append(stream)
+        try:
+            return stream.run(model, requests[i], t_send)
+        finally:
+            idle.put(stream)
+
+    t0 = time.perf_counter()
+    futures = []
+    try:
+        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+            for i, at in enumerate(arrivals):
+                delay = t0 + at - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                futures.append(pool.submit(one, i, t0 + at))
+        records = [f.result() for f in futures]
+    finally:
+        for s in made:
+            s.close()
+    return records, max(r.t_end for r in records) - t0
+
+
+# ---- summaries ------------------------------------------------------------------------------------------
+def client_stats(records: list[Record], duration: float) -> dict:
+    """Client-side numbers of one run. Latencies of failed requests are left out (``errors`` counts
+    them). ``mean_itl_s`` is decode time per token after the first, over all requests (token-weighted);
+    ``mean_tpot_s`` the same per request, averaged."""
+    ok = [r for r in records if r.error is None and r.t_first is not None]
+    lat = np.array([r.t_end - r.t_send for r in ok]) if ok else np.array([np.nan])
+    ttft = np.array([r.t_first - r.t_send for r in ok]) if ok else np.array([np.nan])
+    decode_t = sum(r.t_last - r.t_first for r in ok)
+    decode_n = sum(r.tokens - 1 for r in ok)
+    tpot = [(r.t_last - r.t_first) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    tokens = sum(r.tokens for r in records)
+    drafted, accepted = sum(r.drafted for r in ok), sum(r.accepted for r in ok)
+    steps = sum(r.responses - 1 for r in ok)
+
+    def f(x) -> float | None:
+        return None if x is None or not np.isfinite(x) else float(x)
+
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "output_tokens": tokens,
+        "duration_s": duration,
+        "throughput_tok_s": tokens / duration if duration > 0 else None,
+        "mean_latency_s": f(lat.mean()),
+        "p50_latency_s": f(np.percentile(lat, 50)),
+        "p99_latency_s": f(np.percentile(lat, 99)),
+        "mean_ttft_s": f(ttft.mean()),
+        "p99_ttft_s": f(np.percentile(ttft, 99)),
+        "mean_itl_s": decode_t / decode_n if decode_n else None,
+        "mean_tpot_s": f(np.mean(tpot)) if tpot else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tokens_per_step": decode_n / steps if steps else None,  # streamed tokens per engine step after the first
+    }
+
+
+def kind_stats(records: list[Record]) -> dict[str, dict]:
+    """Per prompt kind (code / shuffled): mean latency, acceptance rate, decode tokens per step."""
+    out = {}
+    for kind in sorted({r.kind for r in records}):
+        rs = [r for r in records if r.kind == kind and r.error is None and r.t_first is not None]
+        if not rs:
+            continue
+        drafted, steps = sum(r.drafted for r in rs), sum(r.responses - 1 for r in rs)
+        out[kind] = {
+            "requests": len(rs),
+            "mean_latency_s": float(np.mean([r.t_end - r.t_send for r in rs])),
+            "acceptance_rate": sum(r.accepted for r in rs) / drafted if drafted else None,
+            "draft_tokens_per_request": drafted / len(rs),
+            "tokens_per_step": sum(r.tokens - 1 for r in rs) / steps if steps else None,
+        }
+    return out
+
+
+def _ratio(run: dict, base: dict | None, key: str) -> float | None:
+    if base is None or not run.get(key) or not base.get(key):
+        return None
+    return run[key] / base[key]
+
+
+def ratio_rows(runs: list[dict]) -> list[dict]:
+    """Every run with its throughput and mean-latency ratio against ``none`` at the same load."""
+    base = {(r["concurrency"], r.get("rate")): r for r in runs if r["method"] == "none"}
+    rows = []
+    for r in runs:
+        b = base.get((r["concurrency"], r.get("rate")))
+        rows.append(
+            {**r, "throughput_ratio": _ratio(r, b, "throughput_tok_s"), "latency_ratio": _ratio(r, b, "mean_latency_s")}
+        )
+    return rows
+
+
+def format_table(runs: list[dict]) -> str:
+    def num(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    head = (
+        f"{'config':<12} {'method':<6} {'load':>7} {'tok/s':>8} {'x none':>7} {'lat s':>7} {'x none':>7} "
+        f"{'p99 s':>7} {'ttft s':>7} {'itl ms':>7} {'acc len':>7} {'k/step':>6} {'sched p99 ms':>12}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in sorted(ratio_rows(runs), key=lambda r: (r["concurrency"] or 0, r.get("rate") or 0)):
+        load = f"c={r['concurrency']}" if r.get("rate") is None else f"{r['rate']:g}/s"
+        lines.append(
+            f"{r['config']:<12} {r['method']:<6} {load:>7} {num(r['throughput_tok_s'], '8.1f')} "
+            f"{num(r['throughput_ratio'], '6.2f')}x {num(r['mean_latency_s'], '7.3f')} "
+            f"{num(r['latency_ratio'], '6.2f')}x {num(r['p99_latency_s'], '7.3f')} {num(r['mean_ttft_s'], '7.3f')} "
+            f"{num(r['mean_itl_s'] and 1000 * r['mean_itl_s'], '7.2f')} {num(r['mean_acceptance_length'], '7.2f')} "
+            f"{num(r['mean_draft_tokens_per_step'], '6.2f')} {num(r['scheduler_p99_ms'], '12.3f')}"
+            + (f"  [{r['errors']} errors]" if r.get("errors") else "")
+        )
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: str | Path) -> None:
+    """Throughput and mean latency against concurrency (and against rate, if any), one line per
+    configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes_x = [("concurrency", "concurrency (closed loop)")]
+    if any(r.get("rate") is not None for r in runs):
+        axes_x.append(("rate", "arrival rate, req/s (Poisson)"))
+    fig, axes = plt.subplots(len(axes_x), 2, figsize=(11, 4.2 * len(axes_x)), squeeze=False)
+    for row, (xkey, xlabel) in enumerate(axes_x):
+        series: dict[str, list[dict]] = defaultdict(list)
+        for r in runs:
+            if (xkey == "rate") == (r.get("rate") is not None):
+                label = "none" if r["method"] == "none" else f"{r['method']} {r['config']}"
+                series[label].append(r)
+        for label, rs in sorted(series.items()):
+            rs.sort(key=lambda r: r[xkey])
+            xs = [r[xkey] for r in rs]
+            style = {"linestyle": "--", "color": "black"} if label == "none" else {}
+            axes[row][0].plot(xs, [r["throughput_tok_s"] for r in rs], marker="o", label=label, **style)
+            axes[row][1].plot(xs, [r["mean_latency_s"] for r in rs], marker="o", label=label, **style)
+        for col, ylabel in enumerate(("output tokens/s", "mean request latency, s")):
+            ax = axes[row][col]
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            if xkey == "concurrency":
+                ax.set_xscale("log", base=2)
+            ax.grid(True, alpha=0.3)
+        axes[row][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- driving the server ---------------------------------------------------------------------------------
+class ModelSwitcher:
+    """Loads one configuration's orchestrator at a time (explicit model control), unloading the
+    previous one first and waiting until it is gone, so no two orchestrators share the KV pool.
+    Models that were already loaded when the bench connected are used as they are and left loaded."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.current: str | None = None
+        self.ours: set[str] = set()
+
+    def activate(self, model: str, others: list[str], timeout_s: float = 600.0) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        for other in others:
+            if other != model and self._ready(other):
+                if other not in self.ours:
+                    raise SystemExit(
+                        f"model {other!r} is loaded and not by this bench: it would share the KV pool "
+                        f"with {model!r}; unload it first"
+                    )
+                self.deactivate(other)
+        if not self._ready(model):
+            try:
+                self.client.load_model(model)
+            except InferenceServerException as e:
+                raise SystemExit(
+                    f"cannot load {model!r}: {e.message()}\nThe server needs --model-control-mode=explicit and a "
+                    "repository written by `lightspec bench --write-repository DIR` (same --configs/--methods)."
+                ) from None
+            self.ours.add(model)
+        deadline = time.monotonic() + timeout_s
+        while not self._ready(model):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"model {model!r} not ready after {timeout_s:.0f}s")
+            time.sleep(0.2)
+        self.current = model
+
+    def deactivate(self, model: str, timeout_s: float = 120.0) -> None:
+        if model not in self.ours:
+            return
+        self.client.unload_model(model)
+        deadline = time.monotonic() + timeout_s
+        while self._state(model) not in ("UNAVAILABLE", None):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"model {model!r} still unloading after {timeout_s:.0f}s")
+            time.sleep(0.2)
+        self.ours.discard(model)
+
+    def _ready(self, model: str) -> bool:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            return self.client.is_model_ready(model)
+        except InferenceServerException:
+            return False
+
+    def _state(self, model: str) -> str | None:
+        index = self.client.get_model_repository_index(as_json=True).get("models", [])
+        return next((m.get("state") for m in index if m.get("name") == model), None)
+
+    def close(self) -> None:
+        for model in list(self.ours):
+            with contextlib.suppress(Exception):
+                self.deactivate(model)
+        self.client.close()
+
+
+@dataclass
+class Load:
+    concurrency: int | None = None
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency}" if self.rate is None else f"rate={self.rate:g}/s"
+
+
+@dataclass
+class BenchPlan:
+    configs: list[RunConfig]
+    loads: list[Load]
+    prompts: list[Prompt]
+    max_tokens: int
+    requests: int | None  # per run; None: max(8, 2 * concurrency), or 4 x rate x 8 s for rates
+    warmup: int = 2
+    temperature: float = 0.0
+    seed: int = 0
+    timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+    def num_requests(self, load: Load) -> int:
+        if self.requests:
+            return self.requests
+        if load.rate is not None:
+            return max(8, round(8 * load.rate))
+        return max(8, 2 * load.concurrency)
+
+    def requests_for(self, n: int, offset: int = 0) -> list[Request]:
+        return [
+            Request(self.prompts[(offset + i) % len(self.prompts)], self.max_tokens, self.temperature) for i in range(n)
+        ]
+
+
+def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan: BenchPlan, log=print) -> dict:
+    """One configuration at one load level: warm up, scrape, run, wait for the metrics, scrape."""
+    model = cfg.model_name
+    if plan.warmup:
+        warm = [Request(p.prompt, min(16, plan.max_tokens), plan.temperature) for p in plan.requests_for(plan.warmup)]
+        run_closed_loop(url, model, warm, min(2, plan.warmup), plan.timeout_s)
+    before = scrape(metrics_url)
+    if before is not None:  # settle: the warm-up's counters must be in before the baseline is taken
+        before = wait_for_requests(metrics_url, model, finished_requests(before, model), 2.0)
+    requests = plan.requests_for(plan.num_requests(load))
+    if load.rate is None:
+        records, duration = run_closed_loop(url, model, requests, load.concurrency, plan.timeout_s)
+    else:
+        records, duration = run_open_loop(url, model, requests, load.rate, plan.seed, plan.timeout_s)
+    after = None
+    if before is not None:
+        after = wait_for_requests(metrics_url, model, finished_requests(before, model) + len(records))
+    run = {
+        "config": cfg.config,
+        "method": cfg.method,
+        "model": model,
+        "concurrency": load.concurrency,
+        "rate": load.rate,
+        "pipeline_depth": cfg.pipeline_depth,
+        "max_tokens": plan.max_tokens,
+        **client_stats(records, duration),
+        **server_stats(before, after, model),
+    }
+    kinds = kind_stats(records)
+    if len(kinds) > 1:
+        run["by_kind"] = kinds
+    errors = [r.error for r in records if r.error]
+    if errors:
+        run["first_error"] = errors[0]
+    log(
+        f"  {cfg.method:<5} {cfg.config:<10} {load.label:<10} {run['throughput_tok_s'] or 0:8.1f} tok/s  "
+        f"mean latency {run['mean_latency_s'] or float('nan'):.3f}s  "
+        f"acceptance length {run['mean_acceptance_length'] or float('nan'):.2f}"
+        + (f"  {len(errors)} errors: {errors[0]}" if errors else "")
+    )
+    return run
+
+
+def run_bench(url: str, metrics_url: str | None, plan: BenchPlan, log=print) -> list[dict]:
+    """Every configuration at every load, one orchestrator loaded at a time."""
+    switcher = ModelSwitcher(url)
+    runs = []
+    try:
+        names = [c.model_name for c in plan.configs] + [ORCHESTRATOR]
+        for cfg in plan.configs:
+            t0 = time.perf_counter()
+            switcher.activate(cfg.model_name, names)
+            log(f"{cfg.model_name}: ready in {time.perf_counter() - t0:.1f}s")
+            for load in plan.loads:
+                runs.append(run_one(url, metrics_url, cfg, load, plan, log))
+            switcher.deactivate(cfg.model_name)
+    finally:
+        switcher.close()
+    return runs
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+def _list(values: list[str] | None, cast=str) -> list:
+    """``["1,4", "16"]`` -> ``[1, 4, 16]``; ``none`` is dropped from numeric lists."""
+    items = [x for v in values or [] for x in v.replace(",", " ").split()]
+    return [cast(x) for x in items if cast is str or x != "none"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightspec bench", description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--hf", action="store_true", help="run the Hugging Face side-by-side instead (bench_hf)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced sweep: concurrency 1 8, configs none static:2 dynamic, 32 tokens, few requests",
+    )
+    p.add_argument("--configs", nargs="+", help=f"default: {' '.join(DEFAULT_CONFIGS)}; CONFIG@2: pipeline depth 2")
+    p.add_argument("--methods", nargs="+", default=["mtp"], help="mtp ngram draft (default mtp)")
+    p.add_argument("--concurrency", nargs="+", help="closed-loop levels (default 1 4 16 64; 'none' for none)")
+    p.add_argument("--rate", nargs="+", help="Poisson arrival rates in requests/s (open loop), added to the sweep")
+    p.add_argument("--requests", type=int, help="requests per run (default: max(8, 2 x concurrency); 8 s of arrivals)")
+    p.add_argument("--max-tokens", type=int, help="tokens per request (default 128; 32 with --quick)")
+    p.add_argument("--max-draft-tokens", type=int, default=4, help="K for dynamic (default 4)")
+    p.add_argument("--prompts", help="JSON lines with a 'prompt' field (default: held-out stdlib code)")
+    p.add_argument(
+        "--workload",
+        choices=("code", "mixed"),
+        default="code",
+        help="mixed: half code prompts, half shuffled-words prompts",
+    )
+    p.add_argument("--num-prompts", type=int, help="distinct default prompts (default 64; 16 with --quick)")
+    p.add_argument("--prompt-tokens", type=int, default=200, help="max tokens of a default prompt")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=2, help="short warm-up requests before each run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", help="target checkpoint (default: the embedded model)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config.pbtxt parameter for all models")
+    p.add_argument("--url", help="gRPC HOST:PORT of a running server (explicit model control) instead of starting one")
+    p.add_argument("--metrics-url", help="with --url: its metrics endpoint (default http://HOST:8002/metrics)")
+    p.add_argument("--repository", help="write the generated model repository here (default: a temporary directory)")
+    p.add_argument("--write-repository", metavar="DIR", help="only write the repository for --url use, then exit")
+    p.add_argument("--tritonserver", help="tritonserver binary (default: as lightspec serve)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one response")
+    p.add_argument("--json", help="write the runs here")
+    p.add_argument("--plot", help="draw throughput and latency against concurrency here (PNG)")
+    return p
+
+
+def _overrides(args, prompts: list[Prompt], tokenizer, loads: list[Load]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a config.pbtxt parameter)")
+        out[key.strip()] = value.strip()
+    if args.model_dir:
+        out["model_dir"] = str(Path(args.model_dir).resolve())
+    if "num_kv_blocks" not in out:
+        # Room for every concurrent request (prompt + tokens + lookahead), so the sweep measures
+        # speculation rather than preemption; --set num_kv_blocks=N overrides.
+        block = int(out.get("block_size", 16))
+        longest = max(len(tokenizer.encode(p.text).ids) if tokenizer else len(p.text) for p in prompts)
+        per_seq = math.ceil((longest + args.max_tokens + args.max_draft_tokens + 1) / block)
+        peak = max([ld.concurrency or 0 for ld in loads] + [64 if any(ld.rate for ld in loads) else 0])
+        out["num_kv_blocks"] = str(max(1024, math.ceil(1.1 * peak * per_seq)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--hf" in argv:
+        from . import bench_hf
+
+        return bench_hf.main([a for a in argv if a != "--hf"])
+    args = build_parser().parse_args(argv)
+    quick = QUICK if args.quick else {}
+    args.max_tokens = args.max_tokens or quick.get("max_tokens", 128)
+    configs = parse_configs(_list(args.configs) or quick.get("configs", DEFAULT_CONFIGS), _list(args.methods))
+    levels = _list(args.concurrency, int) if args.concurrency else quick.get("concurrency", DEFAULT_CONCURRENCY)
+    loads = [Load(concurrency=c) for c in levels] + [Load(rate=r) for r in _list(args.rate, float)]
+    if not loads:
+        raise SystemExit("nothing to run: give --concurrency and/or --rate")
+    if any(
+        (ld.concurrency is not None and ld.concurrency < 1) or (ld.rate is not None and ld.rate <= 0) for ld in loads
+    ):
+        raise SystemExit("--concurrency and --rate must be positive")
+    tokenizer = load_tokenizer(args.model_dir)
+    if args.prompts:
+        prompts = read_prompts(args.prompts)
+    else:
+        prompts = default_prompts(
+            args.num_prompts or quick.get("num_prompts", 64), tokenizer, args.prompt_tokens, args.workload, args.seed
+        )
+    overrides = _overrides(args, prompts, tokenizer, loads)
+    if args.write_repository:
+        repo = write_bench_repository(args.write_repository, configs, overrides, args.max_draft_tokens)
+        print(
+            f"wrote {repo}: serve it with --model-control-mode=explicit "
+            + " ".join(f"--load-model={s}" for s in stages_for(configs))
+        )
+        return 0
+    plan = BenchPlan(
+        configs, loads, prompts, args.max_tokens, args.requests, args.warmup, args.temperature, args.seed, args.timeout
+    )
+    t_start = time.perf_counter()
+    if args.url:
+        host = args.url.rsplit(":", 1)[0]
+        runs = run_bench(args.url, args.metrics_url or f"http://{host}:8002/metrics", plan)
+    else:
+        runs = _run_with_server(args, configs, overrides, plan)
+    elapsed = time.perf_counter() - t_start
+    print()
+    print(format_table(runs))
+    print(f"\n{len(runs)} runs in {elapsed:.0f}s")
+    if args.json:
+        meta = {
+            "argv": argv,
+            "model_dir": overrides.get("model_dir"),
+            "overrides": overrides,
+            "prompts": len(prompts),
+            "workload": "file" if args.prompts else args.workload,
+            "elapsed_s": elapsed,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        Path(args.json).write_text(json.dumps({"runs": runs, "meta": meta}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if any(r["errors"] for r in runs) else 0
+
+
+def _run_with_server(args, configs: list[RunConfig], overrides: dict[str, str], plan: BenchPlan) -> list[dict]:
+    from .launcher import TritonServer
+
+    tmp = None if args.repository else tempfile.mkdtemp(prefix="lightspec-bench-")
+    repo = write_bench_repository(args.repository or Path(tmp) / "repo", configs, overrides, args.max_draft_tokens)
+    server = TritonServer(
+        repo, model_control_mode="explicit", load_models=stages_for(configs), tritonserver=args.tritonserver
+    )
+    try:
+        t0 = time.perf_counter()
+        print(f"starting tritonserver with {repo} ...", flush=True)
+        server.start(timeout_s=600)
+        print(
+            f"tritonserver pid {server.pid} ready in {time.perf_counter() - t0:.1f}s "
+            f"(gRPC {server.grpc_url}, metrics {server.metrics_url})",
+            flush=True,
+        )
+        return run_bench(server.grpc_url, server.metrics_url, plan)
+    except RuntimeError as e:
+        raise SystemExit(f"{e}\n(server log: {getattr(server, '_log', '?')})") from None
+    finally:
+        server.stop()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
