@@ -47,7 +47,6 @@ QUICK = {"concurrency": [1, 8], "configs": ["none", "static:2", "dynamic"], "max
 METHODS = ("mtp", "ngram", "draft")
 STAGES = {"mtp": "lightspec_mtp", "draft": "lightspec_draft"}
 TARGET_STAGE = "lightspec_target"
-ORCHESTRATOR = "lightspec"  # the repository's plain orchestrator: never loaded by the bench
 
 
 # ---- configurations ----------------------------------------------------------------------------------
@@ -588,7 +587,11 @@ def format_table(runs: list[dict]) -> str:
         f"{'p99 s':>7} {'ttft s':>7} {'itl ms':>7} {'acc len':>7} {'k/step':>6} {'sched p99 ms':>12}"
     )
     lines = [head, "-" * len(head)]
-    for r in sorted(ratio_rows(runs), key=lambda r: (r["concurrency"] or 0, r.get("rate") or 0)):
+    # closed-loop levels first, then rates; within a level the runs keep their order (none first)
+    order = sorted(
+        ratio_rows(runs), key=lambda r: (r.get("rate") is not None, r["concurrency"] or 0, r.get("rate") or 0)
+    )
+    for r in order:
         load = f"c={r['concurrency']}" if r.get("rate") is None else f"{r['rate']:g}/s"
         lines.append(
             f"{r['config']:<12} {r['method']:<6} {load:>7} {num(r['throughput_tok_s'], '8.1f')} "
@@ -619,7 +622,7 @@ def plot(runs: list[dict], path: str | Path) -> None:
             if (xkey == "rate") == (r.get("rate") is not None):
                 label = "none" if r["method"] == "none" else f"{r['method']} {r['config']}"
                 series[label].append(r)
-        for label, rs in sorted(series.items()):
+        for label, rs in sorted(series.items(), key=lambda kv: (kv[0] != "none", kv[0])):
             rs.sort(key=lambda r: r[xkey])
             xs = [r[xkey] for r in rs]
             style = {"linestyle": "--", "color": "black"} if label == "none" else {}
@@ -631,6 +634,9 @@ def plot(runs: list[dict], path: str | Path) -> None:
             ax.set_ylabel(ylabel)
             if xkey == "concurrency":
                 ax.set_xscale("log", base=2)
+                levels = sorted({r["concurrency"] for r in runs if r.get("rate") is None})
+                ax.set_xticks(levels, [str(c) for c in levels])
+                ax.minorticks_off()
             ax.grid(True, alpha=0.3)
         axes[row][0].legend(fontsize=8)
     fig.tight_layout()
@@ -640,28 +646,30 @@ def plot(runs: list[dict], path: str | Path) -> None:
 
 # ---- driving the server ---------------------------------------------------------------------------------
 class ModelSwitcher:
-    """Loads one configuration's orchestrator at a time (explicit model control), unloading the
-    previous one first and waiting until it is gone, so no two orchestrators share the KV pool.
-    Models that were already loaded when the bench connected are used as they are and left loaded."""
+    """Keeps exactly one LightSpec orchestrator loaded (explicit model control): before loading the
+    next configuration it unloads every other loaded orchestrator of the sweep and waits until Triton
+    reports it gone, so no two orchestrators ever allocate blocks in the same KV pool. An orchestrator
+    that is not part of the sweep (the plain ``lightspec``, say) is never touched: the bench refuses
+    to run beside it. At the end, the sweep's orchestrators are unloaded again."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, managed: list[str]):
         import tritonclient.grpc as grpcclient
 
         self.client = grpcclient.InferenceServerClient(url)
-        self.current: str | None = None
-        self.ours: set[str] = set()
+        self.managed = set(managed)
 
-    def activate(self, model: str, others: list[str], timeout_s: float = 600.0) -> None:
+    def activate(self, model: str, timeout_s: float = 600.0) -> None:
         from tritonclient.utils import InferenceServerException
 
-        for other in others:
-            if other != model and self._ready(other):
-                if other not in self.ours:
-                    raise SystemExit(
-                        f"model {other!r} is loaded and not by this bench: it would share the KV pool "
-                        f"with {model!r}; unload it first"
-                    )
-                self.deactivate(other)
+        for other in self.loaded_orchestrators():
+            if other == model:
+                continue
+            if other not in self.managed:
+                raise SystemExit(
+                    f"orchestrator {other!r} is loaded and is not part of this sweep: it would allocate KV "
+                    f"blocks in the same stage models as {model!r}; unload it first"
+                )
+            self.deactivate(other)
         if not self._ready(model):
             try:
                 self.client.load_model(model)
@@ -670,24 +678,31 @@ class ModelSwitcher:
                     f"cannot load {model!r}: {e.message()}\nThe server needs --model-control-mode=explicit and a "
                     "repository written by `lightspec bench --write-repository DIR` (same --configs/--methods)."
                 ) from None
-            self.ours.add(model)
         deadline = time.monotonic() + timeout_s
         while not self._ready(model):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"model {model!r} not ready after {timeout_s:.0f}s")
             time.sleep(0.2)
-        self.current = model
 
     def deactivate(self, model: str, timeout_s: float = 120.0) -> None:
-        if model not in self.ours:
-            return
+        """Unload and wait: Triton's unload returns before the model's ``finalize`` has run."""
         self.client.unload_model(model)
         deadline = time.monotonic() + timeout_s
         while self._state(model) not in ("UNAVAILABLE", None):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"model {model!r} still unloading after {timeout_s:.0f}s")
             time.sleep(0.2)
-        self.ours.discard(model)
+
+    def loaded_orchestrators(self) -> list[str]:
+        out = []
+        for m in self.client.get_model_repository_index(as_json=True).get("models", []):
+            if m.get("state") != "READY":
+                continue
+            cfg = self.client.get_model_config(m["name"], as_json=True).get("config", {})
+            role = cfg.get("parameters", {}).get("role", {}).get("string_value") or "orchestrator"
+            if cfg.get("backend") == "lightspec" and role == "orchestrator":
+                out.append(m["name"])
+        return out
 
     def _ready(self, model: str) -> bool:
         from tritonclient.utils import InferenceServerException
@@ -702,9 +717,10 @@ class ModelSwitcher:
         return next((m.get("state") for m in index if m.get("name") == model), None)
 
     def close(self) -> None:
-        for model in list(self.ours):
-            with contextlib.suppress(Exception):
-                self.deactivate(model)
+        with contextlib.suppress(Exception):
+            for model in self.loaded_orchestrators():
+                if model in self.managed:
+                    self.deactivate(model)
         self.client.close()
 
 
@@ -789,17 +805,15 @@ def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan:
 
 def run_bench(url: str, metrics_url: str | None, plan: BenchPlan, log=print) -> list[dict]:
     """Every configuration at every load, one orchestrator loaded at a time."""
-    switcher = ModelSwitcher(url)
+    switcher = ModelSwitcher(url, [c.model_name for c in plan.configs])
     runs = []
     try:
-        names = [c.model_name for c in plan.configs] + [ORCHESTRATOR]
         for cfg in plan.configs:
             t0 = time.perf_counter()
-            switcher.activate(cfg.model_name, names)
+            switcher.activate(cfg.model_name)
             log(f"{cfg.model_name}: ready in {time.perf_counter() - t0:.1f}s")
             for load in plan.loads:
                 runs.append(run_one(url, metrics_url, cfg, load, plan, log))
-            switcher.deactivate(cfg.model_name)
     finally:
         switcher.close()
     return runs

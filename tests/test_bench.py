@@ -1,0 +1,194 @@
+"""``lightspec bench``: configurations, prompts, metric arithmetic, the report, and one short sweep
+against a real tritonserver (smoke model)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+from lightspec_backend import bench, cli
+from lightspec_backend.params import check_stage_configs, parse_backend_config, read_config_parameters
+
+RUN_KEYS = {
+    "config": str, "method": str, "concurrency": int, "requests": int, "output_tokens": int, "duration_s": float,
+    "throughput_tok_s": float, "mean_latency_s": float, "p50_latency_s": float, "p99_latency_s": float,
+    "mean_ttft_s": float, "mean_itl_s": float, "mean_acceptance_length": float, "scheduler_p99_ms": float,
+}  # fmt: skip
+
+
+# ---- configurations and repository -----------------------------------------------------------------------
+def test_configs_cross_methods_and_run_the_none_baseline_once():
+    runs = bench.parse_configs(["none", "static:2", "dynamic@2"], ["mtp", "ngram"])
+    assert [(c.config, c.method, c.model_name) for c in runs] == [
+        ("none", "none", "lightspec_none"),
+        ("static:2", "mtp", "lightspec_mtp_static_2"),
+        ("static:2", "ngram", "lightspec_ngram_static_2"),
+        ("dynamic@2", "mtp", "lightspec_mtp_dynamic_d2"),
+        ("dynamic@2", "ngram", "lightspec_ngram_dynamic_d2"),
+    ]
+    assert runs[3].pipeline_depth == 2
+    assert bench.stages_for(runs) == ["lightspec_target", "lightspec_mtp"]
+    assert bench.RunConfig("static:8", "mtp", "static:8").parameters(4)["max_draft_tokens"] == "8"
+
+
+@pytest.mark.parametrize("bad", [["eagle"], ["static:x"], ["dynamic@3"], ["none", "off"]])
+def test_bad_configs_are_refused_with_the_spec_named(bad):
+    with pytest.raises(SystemExit, match="--configs"):
+        bench.parse_configs(bad, ["mtp"])
+    with pytest.raises(SystemExit, match="--methods"):
+        bench.parse_configs(["dynamic"], ["eagle"])
+
+
+def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp_path):
+    configs = bench.parse_configs(["none", "static:2", "dynamic"], ["mtp", "draft"])
+    repo = bench.write_bench_repository(tmp_path / "repo", configs, {"num_kv_blocks": "96", "model_dir": "/m/t"}, 4)
+    for c in configs:
+        cfg = parse_backend_config(read_config_parameters(repo / c.model_name / "config.pbtxt"), base_dir=repo)
+        assert (cfg.engine.speculation, cfg.engine.policy) == (c.method, c.policy)
+        assert cfg.engine.num_kv_blocks == 96
+        assert check_stage_configs(cfg, repo) == []  # same KV geometry and checkpoints as the stages
+    target = read_config_parameters(repo / "lightspec_target" / "config.pbtxt")
+    assert target["num_kv_blocks"] == "96"
+
+
+# ---- prompts ------------------------------------------------------------------------------------------------
+def test_mixed_workload_alternates_code_and_shuffled_prompts_deterministically():
+    prompts = bench.default_prompts(6, None, max_prompt_tokens=60, workload="mixed", seed=3)
+    assert [p.kind for p in prompts] == ["code", "shuffled"] * 3
+    assert prompts == bench.default_prompts(6, None, max_prompt_tokens=60, workload="mixed", seed=3)
+    for p in prompts:
+        assert 0 < len(p.text) <= 3 * 60  # trimmed (3 characters per token without a tokenizer)
+        if p.kind == "code":
+            assert p.text.rstrip().endswith(":") and "def " in p.text.splitlines()[-1]
+        else:
+            assert "\n" not in p.text
+    code = bench.default_prompts(4, None, max_prompt_tokens=60, workload="code", seed=3)
+    assert {p.kind for p in code} == {"code"}
+
+
+def test_shuffled_text_keeps_the_words_and_loses_the_order():
+    text = " ".join(f"w{i}" for i in range(50))
+    out = bench.shuffle_words(text, random.Random(0))
+    assert sorted(out.split()) == sorted(text.split()) and out != text
+
+
+def test_prompts_file_needs_a_prompt_field(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "def f(x):"}\n\n{"prompt": "import os", "kind": "code"}\n')
+    assert [(p.text, p.kind) for p in bench.read_prompts(good)] == [("def f(x):", "file"), ("import os", "code")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):
+        bench.read_prompts(bad)
+
+
+# ---- metrics arithmetic -------------------------------------------------------------------------------------
+def _exposition(model: str, steps: int, accepted: int, k_sum: float, k_count: int, sched: list[int]) -> str:
+    labels = f'model="{model}",version="1"'
+    lines = [
+        "# TYPE lightspec:spec_decode_num_steps_total counter",
+        f"lightspec:spec_decode_num_steps_total{{{labels}}} {steps}",
+        f"lightspec:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}",
+        'lightspec:spec_decode_num_accepted_tokens_total{model="other",version="1"} 999',
+        f"lightspec:draft_tokens_per_step_sum{{{labels}}} {k_sum}",
+        f"lightspec:draft_tokens_per_step_count{{{labels}}} {k_count}",
+        f"lightspec:num_preemptions_total{{{labels}}} 0",
+    ]
+    for le, n in zip(["0.0001", "0.001", "+Inf"], sched):
+        lines.append(f'lightspec:scheduler_decision_seconds_bucket{{{labels},le="{le}"}} {n}')
+    return "\n".join(lines) + "\n"
+
+
+def test_server_stats_are_differences_between_two_scrapes():
+    before = bench.parse_metrics(_exposition("m", 10, 5, 20.0, 10, [10, 10, 10]))
+    after = bench.parse_metrics(_exposition("m", 30, 35, 80.0, 30, [10, 110, 110]))
+    s = bench.server_stats(before, after, "m")
+    assert s["mean_acceptance_length"] == pytest.approx(1 + 30 / 20)  # counts the bonus token
+    assert s["mean_draft_tokens_per_step"] == pytest.approx(60 / 20)
+    # all 100 new decisions fall in (0.1 ms, 1 ms]: p50 interpolates to the middle of that bucket
+    assert s["scheduler_p50_ms"] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert s["scheduler_p99_ms"] == pytest.approx(0.1 + 0.9 * 0.99)
+    assert bench.server_stats(None, after, "m")["mean_acceptance_length"] is None
+
+
+def test_histogram_quantile_follows_prometheus():
+    buckets = [(0.001, 50.0), (0.01, 90.0), (float("inf"), 100.0)]
+    assert bench.histogram_quantile(0.5, buckets) == pytest.approx(0.001)
+    assert bench.histogram_quantile(0.7, buckets) == pytest.approx(0.001 + 0.009 * 0.5)
+    assert bench.histogram_quantile(0.99, buckets) == pytest.approx(0.01)  # +Inf bucket: largest finite bound
+    assert bench.histogram_quantile(0.5, []) is None
+
+
+def test_client_stats_from_records():
+    recs = [
+        bench.Record("code", t_send=0.0, t_first=0.1, t_last=0.5, t_end=0.5, tokens=5, responses=3, drafted=8,
+                     accepted=4),
+        bench.Record("code", t_send=0.0, t_first=0.3, t_last=0.3, t_end=0.3, tokens=1, responses=1),
+        bench.Record("code", t_send=0.0, t_end=0.2, error="boom"),
+    ]  # fmt: skip
+    s = bench.client_stats(recs, duration=1.0)
+    assert (s["requests"], s["errors"], s["output_tokens"]) == (3, 1, 6)
+    assert s["throughput_tok_s"] == 6.0
+    assert s["mean_latency_s"] == pytest.approx(0.4) and s["mean_ttft_s"] == pytest.approx(0.2)
+    assert s["mean_itl_s"] == pytest.approx(0.4 / 4)
+    assert s["acceptance_rate"] == 0.5 and s["tokens_per_step"] == pytest.approx(4 / 2)
+
+
+def test_ratio_table_compares_with_none_at_the_same_load():
+    def run(config, method, c, tps, lat):
+        return {
+            "config": config,
+            "method": method,
+            "concurrency": c,
+            "rate": None,
+            "throughput_tok_s": tps,
+            "mean_latency_s": lat,
+            "p99_latency_s": lat,
+            "mean_ttft_s": 0.01,
+            "mean_itl_s": 0.002,
+            "mean_acceptance_length": 2.0,
+            "mean_draft_tokens_per_step": 1.5,
+            "scheduler_p99_ms": 0.05,
+        }
+
+    runs = [run("none", "none", 1, 100, 1.0), run("dynamic", "mtp", 1, 150, 0.5), run("none", "none", 4, 200, 2.0),
+            run("dynamic", "mtp", 4, 100, 4.0)]  # fmt: skip
+    rows = {(r["method"], r["concurrency"]): r for r in bench.ratio_rows(runs)}
+    assert rows[("mtp", 1)]["throughput_ratio"] == 1.5 and rows[("mtp", 1)]["latency_ratio"] == 0.5
+    assert rows[("mtp", 4)]["throughput_ratio"] == 0.5 and rows[("mtp", 4)]["latency_ratio"] == 2.0
+    table = bench.format_table(runs)
+    assert re.search(r"dynamic\s+mtp\s+c=1\s+150\.0\s+1\.50x\s+0\.500\s+0\.50x", table), table
+
+
+# ---- one short sweep through a real server --------------------------------------------------------------------
+@pytest.mark.triton
+def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path / "cache"))
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--model-dir", str(smoke_model / "target"), "--configs", "none", "dynamic",
+            "--concurrency", "1", "2", "--requests", "2", "--max-tokens", "8", "--num-prompts", "4",
+            "--workload", "mixed", "--warmup", "1", "--set", "num_threads=1", "--set", "num_kv_blocks=64",
+            "--json", str(out), "--plot", str(png)]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    pid = int(re.search(r"tritonserver pid (\d+)", printed).group(1))
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["config"], r["method"], r["concurrency"]) for r in runs] == [
+        ("none", "none", 1), ("none", "none", 2), ("dynamic", "mtp", 1), ("dynamic", "mtp", 2)]  # fmt: skip
+    for r in runs:
+        for key, kind in RUN_KEYS.items():
+            assert isinstance(r[key], kind) or (kind is float and isinstance(r[key], int)), (key, r[key])
+        assert (r["requests"], r["errors"], r["output_tokens"]) == (2, 0, 16)
+        assert r["mean_ttft_s"] <= r["mean_latency_s"] <= r["p99_latency_s"] + 1e-9
+        assert r["mean_acceptance_length"] >= 1.0 and r["scheduler_p99_ms"] >= 0
+        assert set(r["by_kind"]) == {"code", "shuffled"}
+    assert runs[0]["mean_acceptance_length"] == 1.0 and runs[0]["mean_draft_tokens_per_step"] == 0.0
+
+    assert re.search(r"none\s+none\s+c=1\s+[\d.]+\s+1\.00x\s+[\d.]+\s+1\.00x", printed), printed
+    assert re.search(r"dynamic\s+mtp\s+c=2\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+x", printed), printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
