@@ -43,7 +43,6 @@ class _Entry:
     state: RequestState
     sender: object  # pb_utils InferenceResponseSender
     request: object  # pb_utils InferenceRequest, for is_cancelled()
-    client_id: str = ""
     abort_queued: bool = False
     shutting_down: bool = False
     closed: bool = False  # FINAL sent (or attempted); set by the response thread only
@@ -108,7 +107,7 @@ class Orchestrator:
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        entry = _Entry(RequestState(rid, None), sender, request, client_id=_client_id(request))
+        entry = _Entry(RequestState(rid, None), sender, request)
         try:
             parsed = parse_request(get, self.max_model_len, self.vocab_size)
         except ValueError as e:
@@ -329,9 +328,3 @@ class Orchestrator:
         for t in others:
             t.join(timeout_s)
 
-
-def _client_id(request) -> str:
-    try:
-        return request.request_id()
-    except Exception:  # older stubs or fakes without request ids
-        return ""
