@@ -14,7 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 from lightspec_backend import cli
+from lightspec_backend.client import grpc_inputs, is_final
+from lightspec_backend.launcher import TritonServer
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.triton
 
@@ -74,3 +79,31 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly(smoke_model, tmp_path, 
 def test_serve_refuses_overrides_with_an_explicit_repository(tmp_path):
     with pytest.raises(SystemExit, match="--model-repository"):
         cli.main(["serve", "--model-repository", str(tmp_path), "--policy", "off"])
+
+
+def test_checked_in_repository_serves_the_default_model(default_model, tmp_path):
+    """``model_repository/`` as committed (empty model_dir: the embedded default model) loads and
+    generates what the in-process engine generates, with MTP drafts accepted."""
+    prompt = "def fibonacci(n):\n"
+    engine = LLMEngine(EngineConfig())
+    (want,) = engine.generate([prompt], SamplingParams(max_tokens=32))
+    engine.close()
+    with TritonServer(cli.default_repository(), cache_dir=tmp_path / "cache") as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer(
+            "lightspec", grpc_inputs(text_input=prompt, max_tokens=32, stream=True), enable_empty_final_response=True
+        )
+        text, last = "", None
+        while True:
+            result, error = results.get(timeout=120)
+            assert error is None, error
+            if result.get_response().outputs:
+                text += result.as_numpy("text_output")[0].decode()
+                last = result
+            if is_final(result):
+                break
+        client.stop_stream()
+    assert text == want.text
+    assert last.as_numpy("total_accepted_draft_tokens")[0] > 0
