@@ -83,7 +83,7 @@ def serve(args) -> int:
             f'  gRPC     {server.grpc_url}    try: lightspec generate "def fib(n):" --url {server.grpc_url}\n'
             f"  HTTP     http://{server.http_url}/v2/models/lightspec/generate (and /generate_stream)\n"
             f"  metrics  {server.metrics_url}\n"
-            + ("" if args.verbose else f"  log      {server._log}\n")
+            + ("" if args.verbose else f"  log      {server.log_file}\n")
             + "Ctrl-C to stop.",
             flush=True,
         )

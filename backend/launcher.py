@@ -225,6 +225,7 @@ class TritonServer:
         self.model_control_mode = model_control_mode
         self.load_models = list(load_models)
         self.log_path = Path(log_path) if log_path else None
+        self._log: Path | None = None  # the file the running server logs to (None: stream_logs)
         self.stream_logs = stream_logs
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
@@ -245,6 +246,11 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def log_file(self) -> Path | None:
+        """Where the server's log goes (``None`` with ``stream_logs``)."""
+        return self._log
 
     @property
     def pid(self) -> int | None:
@@ -352,10 +358,9 @@ class TritonServer:
         return p.returncode
 
     def log_text(self) -> str:
-        path = getattr(self, "_log", None)
-        if path is None or not Path(path).is_file():
+        if self._log is None or not self._log.is_file():
             return ""
-        return Path(path).read_text(errors="replace")
+        return self._log.read_text(errors="replace")
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
