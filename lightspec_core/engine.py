@@ -65,8 +65,12 @@ class InFlight:
     proposals: list[Proposal]
     future: Future
     rows: list[list[int]]  # per plan item: rows of the target output to verify (empty: no sample)
-    t_launch: float
-    num_drafts: int
+    t_submit: float
+    num_tokens: int
+
+
+def _stamp_done(fut: Future) -> None:
+    fut.t_done = time.perf_counter()
 
 
 class LLMEngine:
@@ -96,6 +100,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._inflight: deque[InFlight] = deque()
         self._aborts: list[str] = []
+        self._target_free_at = 0.0
         self._arrivals = itertools.count()
 
     def _make_proposer(self, k: int):
@@ -190,8 +195,10 @@ class LLMEngine:
         tables = [self.blocks.table(it.seq.request_id) for it in plan.items]
         props = self.proposer.propose([it.seq for it in plan.items], [it.k for it in plan.items], tables)
         t1 = time.perf_counter()
-        if any(it.k for it in plan.items):
+        num_drafts = sum(len(p.draft_ids) for p in props)
+        if num_drafts:
             self.stats.observe("stage_latency_seconds", t1 - t0, {"stage": self.config.method.value})
+            self.cost.propose.observe(num_drafts, t1 - t0)
         ids: list[int] = []
         pos: list[int] = []
         qlens: list[int] = []
@@ -223,20 +230,24 @@ class LLMEngine:
         for rr in rows:
             out_rows.append(list(range(n, n + len(rr))))
             n += len(rr)
+        t_submit = time.perf_counter()
         fut = self.executor.submit("target", call)
-        return InFlight(plan, props, fut, out_rows, t0, sum(len(p.draft_ids) for p in props))
+        fut.add_done_callback(_stamp_done)
+        return InFlight(plan, props, fut, out_rows, t_submit, len(ids))
 
     # ---- complete: verify, update, emit --------------------------------------------------------
     def _complete(self, f: InFlight) -> list[RequestDelta]:
-        t_wait = time.perf_counter()
         try:
             res = f.future.result()
         except Exception as e:  # a stage failure fails this micro-batch only; the engine goes on
             return [d for it in f.plan.items if (d := self._finish(it.seq, "error", f"stage failure: {e}"))]
-        t_done = time.perf_counter()
-        self.stats.observe("stage_latency_seconds", t_done - t_wait if self.config.pipeline_depth == 1 else
-                           t_done - f.t_launch, {"stage": "target"})
-        self.cost.observe(f.plan.num_tokens, f.num_drafts, t_done - f.t_launch)
+        # The target stage serves calls one at a time in order, so its service time for this call
+        # starts when it was submitted or when the previous call finished, whichever is later.
+        t_done = getattr(f.future, "t_done", time.perf_counter())
+        service = t_done - max(f.t_submit, self._target_free_at)
+        self._target_free_at = t_done
+        self.stats.observe("stage_latency_seconds", service, {"stage": "target"})
+        self.cost.verify.observe(f.num_tokens, service)
         self.stats.counters["engine_steps_total"] += 1
         deltas = []
         for it, pr, rows in zip(f.plan.items, f.proposals, f.rows):

@@ -7,10 +7,11 @@ Dynamic policy (goodput maximisation). For request i with conditional acceptance
 
 and a step with N verified tokens and D drafted tokens costs, by an online linear fit,
 
-    T(N, D) = c0 + c_tok · N + c_draft · D .
+    T(N, D) = (v0 + v1 · N) + [D > 0] · (p0 + p1 · D)      (verify stage + propose stage)
 
 Goodput G = Σ_i E_i(k_i) / T. Adding one draft slot to request i adds g = Π_{m<=k_i+1} α_{i,m} tokens
-and c = c_tok + c_draft seconds, and raises G iff g / c > G. Since every g_i shrinks as k_i grows,
+and c = v1 + p1 seconds, and raises G iff g / c > G. Drafting at all must also pay for the
+proposer's fixed cost p0, checked once at the end. Since every g_i shrinks as k_i grows,
 handing out slots one at a time to the request with the largest g (a heap) until the test fails is
 optimal for this cost model. Worked example: one request, α = 0.8 at every position, c0 = 10 ms,
 c = 1 ms: G starts at 1/10; slot 1 adds 0.8 tokens for 1 ms (0.8 > 0.1 → take), slot 2 adds 0.64,
@@ -26,44 +27,61 @@ from dataclasses import dataclass
 import numpy as np
 
 
-class CostModel:
-    """Recursive least squares fit of step seconds = c0 + c_tok·N + c_draft·D with forgetting.
+class LinearCost:
+    """Recursive least squares fit of ``seconds = a + b * x`` for one stage, with forgetting.
 
-    Starts from a prior (so it is usable before any measurement) and follows changes in load or
-    machine speed; directions the data never excites stay at the prior."""
+    Starts from a prior (usable before any measurement), follows changes in load or machine speed,
+    and keeps the parameters physical (non-negative)."""
 
-    def __init__(self, prior=(3e-3, 1e-4, 1e-4), forget: float = 0.98, noise_var: float = 1e-6):
-        self.theta = np.array(prior, dtype=np.float64)
-        # prior covariance: c0 known to ~10 ms, per-token costs to ~0.3 ms
-        self.P0 = np.diag([1e-4, 1e-7, 1e-7])
+    def __init__(self, intercept: float, slope: float, forget: float = 0.97, noise_var: float = 1e-6):
+        self.theta = np.array([intercept, slope], dtype=np.float64)
+        # prior covariance: intercept known to ~10 ms, slope to ~0.3 ms per token
+        self.P0 = np.diag([1e-4, 1e-7])
         self.P = self.P0.copy()
         self.forget = forget
         self.noise_var = noise_var
         self.n = 0
 
-    def predict(self, tokens: float, drafts: float) -> float:
-        return float(self.theta @ np.array([1.0, tokens, drafts]))
+    def predict(self, x: float) -> float:
+        return float(self.theta[0] + self.theta[1] * x)
 
-    def observe(self, tokens: int, drafts: int, seconds: float) -> None:
-        x = np.array([1.0, float(tokens), float(drafts)])
-        px = self.P @ x
-        gain = px / (self.forget * self.noise_var + x @ px)
-        self.theta = self.theta + gain * (seconds - x @ self.theta)
-        self.P = (self.P - np.outer(gain, px)) / self.forget
+    def observe(self, x: float, seconds: float) -> None:
+        v = np.array([1.0, float(x)])
+        pv = self.P @ v
+        gain = pv / (self.forget * self.noise_var + v @ pv)
+        self.theta = np.maximum(self.theta + gain * (seconds - v @ self.theta), [0.0, 1e-7])
+        self.P = (self.P - np.outer(gain, pv)) / self.forget
         # forgetting inflates P in directions the data never excites (RLS wind-up): cap it at the prior
-        if np.trace(self.P) > np.trace(self.P0):
-            self.P *= np.trace(self.P0) / np.trace(self.P)
-        # keep the fit physical: a token never costs negative time
-        self.theta = np.maximum(self.theta, [1e-5, 1e-7, 1e-7])
+        tr = np.trace(self.P)
+        if tr > np.trace(self.P0):
+            self.P *= np.trace(self.P0) / tr
         self.n += 1
 
     @property
-    def per_token(self) -> float:
-        return float(self.theta[1])
+    def intercept(self) -> float:
+        return float(self.theta[0])
 
     @property
-    def per_draft(self) -> float:
-        return float(self.theta[2])
+    def slope(self) -> float:
+        return float(self.theta[1])
+
+
+class CostModel:
+    """Step cost = verify(N tokens) + propose(D drafts), each an online linear fit of its own
+    stage's measured latency. Fitting the stages separately keeps both slopes identifiable (in
+    one joint fit N and D move together)."""
+
+    def __init__(self, verify=(3e-3, 1e-4), propose=(1e-3, 5e-5)):
+        self.verify = LinearCost(*verify)
+        self.propose = LinearCost(*propose)
+
+    def step_seconds(self, tokens: int, drafts: int) -> float:
+        return self.verify.predict(tokens) + (self.propose.predict(drafts) if drafts else 0.0)
+
+    @property
+    def per_slot(self) -> float:
+        """Marginal seconds of one more draft token: verified by the target and proposed."""
+        return self.verify.slope + self.propose.slope
 
 
 class AcceptanceStats:
@@ -116,8 +134,11 @@ class DynamicPolicy:
         ks = [0] * len(reqs)
         tokens = base_tokens
         expected = float(len(reqs))
-        t = self.cost.predict(base_tokens, 0)
-        c = self.cost.per_token + self.cost.per_draft
+        cost = self.cost
+        t0 = cost.step_seconds(base_tokens, 0)
+        # a step that drafts at all pays the proposer's fixed cost once
+        t = t0 + cost.propose.intercept
+        c = cost.per_slot
         heap = [(-r.alphas[0], i, r.alphas[0]) for i, r in enumerate(reqs) if r.limit > 0]
         heapq.heapify(heap)
         while heap and tokens < token_budget:
@@ -133,6 +154,8 @@ class DynamicPolicy:
             if ks[i] < r.limit:
                 g2 = g * r.alphas[ks[i]]
                 heapq.heappush(heap, (-g2, i, g2))
+        if expected * t0 <= len(reqs) * t:  # drafting at all does not pay for the proposer's overhead
+            return [0] * len(reqs)
         return ks
 
 

@@ -51,7 +51,7 @@ def test_greedy_speculation_is_lossless(exactness_setup, method, policy, depth, 
     assert all(len(o.output_token_ids) == 64 for o in outs)
     if tiny_pool:
         assert eng.scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
-    if method != "draft" or policy != "dynamic":
+    if policy.startswith("static"):  # (the dynamic policy may rightly decide not to draft)
         assert sum(o.num_accepted_tokens for o in outs) > 0, "no draft was ever accepted: the test proves nothing"
 
 

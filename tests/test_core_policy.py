@@ -5,9 +5,8 @@ from __future__ import annotations
 from lightspec_core.policy import AcceptanceStats, CostModel, DynamicPolicy, PolicyInput, StaticPolicy, request_alphas
 
 
-def _policy(c0, c_tok, c_draft=0.0):
-    cost = CostModel(prior=(c0, c_tok, max(c_draft, 1e-7)))
-    return DynamicPolicy(cost)
+def _policy(c0, c_tok, c_draft=0.0, p0=0.0):
+    return DynamicPolicy(CostModel(verify=(c0, c_tok), propose=(p0, max(c_draft, 1e-7))))
 
 
 def test_cheap_verification_speculates_to_the_limit():
@@ -36,7 +35,7 @@ def test_goodput_is_not_lowered_by_any_single_change():
             for j in range(k):
                 prod *= r.alphas[j]
                 e += prod
-        return e / pol.cost.predict(4 + sum(ks), sum(ks))
+        return e / pol.cost.step_seconds(4 + sum(ks), sum(ks))
 
     best = goodput(ks)
     for i in range(4):
@@ -59,9 +58,19 @@ def test_cost_model_learns_per_token_cost():
     cost = CostModel()
     for n in range(1, 300):
         tokens = 1 + (n * 37) % 200
-        cost.observe(tokens, 0, 4e-3 + 2e-4 * tokens)
-    assert abs(cost.per_token - 2e-4) < 2e-5
-    assert abs(cost.predict(100, 0) - 0.024) < 2e-3
+        cost.verify.observe(tokens, 4e-3 + 2e-4 * tokens)
+        cost.propose.observe(n % 9, 1e-3 + 3e-5 * (n % 9))
+    assert abs(cost.verify.slope - 2e-4) < 2e-5
+    assert abs(cost.step_seconds(100, 0) - 0.024) < 2e-3
+    assert abs(cost.per_slot - 2.3e-4) < 3e-5
+
+
+def test_proposer_overhead_that_drafting_cannot_repay_disables_drafts():
+    # 50 ms to propose at all, 0.6 acceptance, cheap verify: one step costs 10 ms without drafts
+    pol = _policy(c0=10e-3, c_tok=1e-5, p0=50e-3)
+    assert pol.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64) == [0]
+    cheap = _policy(c0=10e-3, c_tok=1e-5, p0=1e-3)
+    assert cheap.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64) == [4]
 
 
 def test_young_requests_lean_on_global_rates():
