@@ -181,6 +181,21 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _orphaned_stubs(server_pid: int) -> list[int]:
+    """Live stub processes still in the server's process group (``start_new_session`` made the
+    server's pid the group id; the group cannot be reused while a member lives). Zombies are skipped:
+    they are dead already, waiting for init to reap them."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            comm = text[text.index("(") + 1 : text.rindex(")")]
+            state, _, pgrp = text[text.rindex(")") + 2 :].split()[:3]
+            if int(pgrp) == server_pid and comm.startswith("triton_python") and state not in "ZX":
+                out.append(int(stat.parent.name))
+    return out
+
+
 def _die_with_parent() -> None:
     # Linux: the server gets SIGTERM if the launching process dies without stopping it.
     with contextlib.suppress(OSError, AttributeError):
@@ -339,8 +354,9 @@ class TritonServer:
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGINT (Triton's graceful shutdown: finishes in-flight requests, unloads models), then
-        SIGKILL after ``timeout_s``. Only this server's own pid (and, after a SIGKILL, its own
-        process group: the stub processes it started) is signalled. Returns the exit code."""
+        SIGKILL after ``timeout_s``. Only this server's own pid is signalled, and then any Python
+        backend stub it leaves behind (a server that crashed or was killed orphans its stubs, which
+        ignore SIGTERM). Returns the exit code."""
         p = self.process
         if p is None:
             return None
@@ -353,8 +369,13 @@ class TritonServer:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
                 p.wait()
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.pid, signal.SIGKILL)  # start_new_session: the group id is the server's pid
+        orphans = _orphaned_stubs(p.pid)
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while orphans and _orphaned_stubs(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return p.returncode
 
     def log_text(self) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from lightspec_backend.launcher import TritonServer
 from lightspec_backend.repository import render_repository
 
@@ -23,3 +22,21 @@ def test_start_fails_with_the_model_load_error(tmp_path):
         server.start(timeout_s=300)
     assert "speculation='eagle'" in str(e.value)
     assert not server.is_alive() and not Path(f"/proc/{server.pid}").exists()
+
+
+def test_stop_after_a_server_crash_leaves_no_stub_processes(tmp_path, smoke_model):
+    import os
+    import signal
+
+    from lightspec_backend.launcher import _orphaned_stubs
+    from lightspec_backend.repository import write_model_repository
+
+    repo = write_model_repository(tmp_path / "repo", {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "8"})
+    server = TritonServer(repo, cache_dir=tmp_path / "cache").start(timeout_s=300)
+    try:
+        assert len(_orphaned_stubs(server.pid)) == 4  # one stub process per model
+        os.kill(server.pid, signal.SIGKILL)  # a crash: the stubs ignore SIGTERM and outlive the server
+        server.process.wait(30)
+    finally:
+        server.stop()
+    assert _orphaned_stubs(server.pid) == []
