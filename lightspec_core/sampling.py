@@ -23,10 +23,12 @@ def probs_from_logits(
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     scaled = logits / t
-    k = torch.where((top_k <= 0) | (top_k >= v), torch.full_like(top_k, v), top_k)
-    if bool((k < v).any()):
-        sorted_desc = scaled.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
+    off = (top_k <= 0) | (top_k >= v)
+    if not bool(off.all()):
+        k = torch.where(off, torch.ones_like(top_k), top_k)
+        top = scaled.topk(int(k.max()), dim=-1).values  # only the k largest are needed, not a full sort
+        kth = top.gather(1, (k - 1).unsqueeze(1))
+        kth = torch.where(off.unsqueeze(1), torch.full_like(kth, float("-inf")), kth)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if bool((top_p < 1).any()):
