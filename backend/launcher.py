@@ -181,18 +181,19 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _orphaned_stubs(server_pid: int) -> list[int]:
+def _orphaned_stubs(server_pid: int) -> dict[int, list[str]]:
     """Live stub processes still in the server's process group (``start_new_session`` made the
-    server's pid the group id; the group cannot be reused while a member lives). Zombies are skipped:
-    they are dead already, waiting for init to reap them."""
-    out = []
+    server's pid the group id; the group cannot be reused while a member lives), with the shared
+    memory regions named on their command lines. Zombies are skipped: they are dead already."""
+    out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             text = stat.read_text()
             comm = text[text.index("(") + 1 : text.rindex(")")]
             state, _, pgrp = text[text.rindex(")") + 2 :].split()[:3]
             if int(pgrp) == server_pid and comm.startswith("triton_python") and state not in "ZX":
-                out.append(int(stat.parent.name))
+                argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                out[int(stat.parent.name)] = [a for a in argv if "_shm_region_" in a and "/" not in a]
     return out
 
 
@@ -376,6 +377,10 @@ class TritonServer:
         deadline = time.monotonic() + 10
         while orphans and _orphaned_stubs(p.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
+        for region in {r for regions in orphans.values() for r in regions}:
+            # a crashed server never unlinks the regions it shared with these stubs
+            with contextlib.suppress(OSError):
+                (Path("/dev/shm") / region).unlink()
         return p.returncode
 
     def log_text(self) -> str:

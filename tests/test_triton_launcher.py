@@ -34,9 +34,13 @@ def test_stop_after_a_server_crash_leaves_no_stub_processes(tmp_path, smoke_mode
     repo = write_model_repository(tmp_path / "repo", {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "8"})
     server = TritonServer(repo, cache_dir=tmp_path / "cache").start(timeout_s=300)
     try:
-        assert len(_orphaned_stubs(server.pid)) == 4  # one stub process per model
+        stubs = _orphaned_stubs(server.pid)
+        assert len(stubs) == 4  # one stub process per model
+        regions = {r for rs in stubs.values() for r in rs}
+        assert regions and all((Path("/dev/shm") / r).exists() for r in regions)
         os.kill(server.pid, signal.SIGKILL)  # a crash: the stubs ignore SIGTERM and outlive the server
         server.process.wait(30)
     finally:
         server.stop()
-    assert _orphaned_stubs(server.pid) == []
+    assert _orphaned_stubs(server.pid) == {}
+    assert not any((Path("/dev/shm") / r).exists() for r in regions)
