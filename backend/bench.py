@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import queue
 import random
 import re
@@ -36,15 +37,22 @@ import time
 import urllib.request
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 DEFAULT_CONFIGS = ["none", "static:1", "static:2", "static:4", "dynamic"]
 DEFAULT_CONCURRENCY = [1, 4, 16, 64]
-QUICK = {"concurrency": [1, 8], "configs": ["none", "static:2", "dynamic"], "max_tokens": 32, "num_prompts": 16}
+QUICK = {
+    "concurrency": [1, 8],
+    "configs": ["none", "static:2", "dynamic"],
+    "max_tokens": 32,
+    "num_prompts": 16,
+    "requests": (16, 4),  # per run: max(16, 4 x concurrency)
+}
 METHODS = ("mtp", "ngram", "draft")
+METHOD_STYLE = {"mtp": "-", "ngram": "-.", "draft": ":"}
 STAGES = {"mtp": "lightspec_mtp", "draft": "lightspec_draft"}
 TARGET_STAGE = "lightspec_target"
 
@@ -578,14 +586,28 @@ def ratio_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def format_table(runs: list[dict]) -> str:
-    def num(v, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
+def _num(fmt: str, scale: float = 1.0, suffix: str = ""):
+    return lambda v: "-" if v is None else format(v * scale, fmt) + suffix
 
-    head = (
-        f"{'config':<12} {'method':<6} {'load':>7} {'tok/s':>8} {'x none':>7} {'lat s':>7} {'x none':>7} "
-        f"{'p99 s':>7} {'ttft s':>7} {'itl ms':>7} {'acc len':>7} {'k/step':>6} {'sched p99 ms':>12}"
-    )
+
+# (header, width, key, format): the printed table's columns
+COLUMNS = [
+    ("tok/s", 8, "throughput_tok_s", _num(".1f")),
+    ("x none", 7, "throughput_ratio", _num(".2f", suffix="x")),
+    ("lat s", 7, "mean_latency_s", _num(".3f")),
+    ("x none", 7, "latency_ratio", _num(".2f", suffix="x")),
+    ("p99 s", 7, "p99_latency_s", _num(".3f")),
+    ("ttft s", 7, "mean_ttft_s", _num(".3f")),
+    ("itl ms", 7, "mean_itl_s", _num(".2f", 1000.0)),
+    ("acc len", 7, "mean_acceptance_length", _num(".2f")),
+    ("k/step", 6, "mean_draft_tokens_per_step", _num(".2f")),
+    ("sched p99 ms", 12, "scheduler_p99_ms", _num(".3f")),
+]
+
+
+def format_table(runs: list[dict]) -> str:
+    """One row per run, with throughput and mean-latency ratios against ``none`` at the same load."""
+    head = f"{'config':<12} {'method':<6} {'load':>7} " + " ".join(f"{h:>{w}}" for h, w, _, _ in COLUMNS)
     lines = [head, "-" * len(head)]
     # closed-loop levels first, then rates; within a level the runs keep their order (none first)
     order = sorted(
@@ -593,14 +615,9 @@ def format_table(runs: list[dict]) -> str:
     )
     for r in order:
         load = f"c={r['concurrency']}" if r.get("rate") is None else f"{r['rate']:g}/s"
-        lines.append(
-            f"{r['config']:<12} {r['method']:<6} {load:>7} {num(r['throughput_tok_s'], '8.1f')} "
-            f"{num(r['throughput_ratio'], '6.2f')}x {num(r['mean_latency_s'], '7.3f')} "
-            f"{num(r['latency_ratio'], '6.2f')}x {num(r['p99_latency_s'], '7.3f')} {num(r['mean_ttft_s'], '7.3f')} "
-            f"{num(r['mean_itl_s'] and 1000 * r['mean_itl_s'], '7.2f')} {num(r['mean_acceptance_length'], '7.2f')} "
-            f"{num(r['mean_draft_tokens_per_step'], '6.2f')} {num(r['scheduler_p99_ms'], '12.3f')}"
-            + (f"  [{r['errors']} errors]" if r.get("errors") else "")
-        )
+        cells = " ".join(f"{fmt(r.get(key)):>{w}}" for _, w, key, fmt in COLUMNS)
+        errors = f"  [{r['errors']} errors]" if r.get("errors") else ""
+        lines.append(f"{r['config']:<12} {r['method']:<6} {load:>7} {cells}{errors}")
     return "\n".join(lines)
 
 
@@ -622,10 +639,14 @@ def plot(runs: list[dict], path: str | Path) -> None:
             if (xkey == "rate") == (r.get("rate") is not None):
                 label = "none" if r["method"] == "none" else f"{r['method']} {r['config']}"
                 series[label].append(r)
+        configs = sorted({r["config"] for r in runs if r["method"] != "none"})
         for label, rs in sorted(series.items(), key=lambda kv: (kv[0] != "none", kv[0])):
             rs.sort(key=lambda r: r[xkey])
             xs = [r[xkey] for r in rs]
-            style = {"linestyle": "--", "color": "black"} if label == "none" else {}
+            if label == "none":
+                style = {"linestyle": "--", "color": "black"}
+            else:  # colour: configuration; line style: method
+                style = {"color": f"C{configs.index(rs[0]['config']) % 10}", "linestyle": METHOD_STYLE[rs[0]["method"]]}
             axes[row][0].plot(xs, [r["throughput_tok_s"] for r in rs], marker="o", label=label, **style)
             axes[row][1].plot(xs, [r["mean_latency_s"] for r in rs], marker="o", label=label, **style)
         for col, ylabel in enumerate(("output tokens/s", "mean request latency, s")):
@@ -740,19 +761,23 @@ class BenchPlan:
     loads: list[Load]
     prompts: list[Prompt]
     max_tokens: int
-    requests: int | None  # per run; None: max(8, 2 * concurrency), or 4 x rate x 8 s for rates
+    requests: int | None  # per run; None: by ``requests_rule``
     warmup: int = 2
     temperature: float = 0.0
     seed: int = 0
     timeout_s: float = 600.0
-    extra: dict = field(default_factory=dict)
+    # (minimum, per unit of concurrency): max(8, 2 x C) requests per closed-loop run by default, so
+    # every worker sends several; rate runs get 8 s of arrivals (at least the minimum)
+    requests_rule: tuple[int, int] = (8, 2)
+    repeats: int = 1
 
     def num_requests(self, load: Load) -> int:
         if self.requests:
             return self.requests
+        least, per = self.requests_rule
         if load.rate is not None:
-            return max(8, round(8 * load.rate))
-        return max(8, 2 * load.concurrency)
+            return max(least, round(8 * load.rate))
+        return max(least, per * load.concurrency)
 
     def requests_for(self, n: int, offset: int = 0) -> list[Request]:
         return [
@@ -785,6 +810,7 @@ def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan:
         "rate": load.rate,
         "pipeline_depth": cfg.pipeline_depth,
         "max_tokens": plan.max_tokens,
+        "loadavg_1m": os.getloadavg()[0],  # other processes on the machine show here
         **client_stats(records, duration),
         **server_stats(before, after, model),
     }
@@ -804,19 +830,37 @@ def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan:
 
 
 def run_bench(url: str, metrics_url: str | None, plan: BenchPlan, log=print) -> list[dict]:
-    """Every configuration at every load, one orchestrator loaded at a time."""
+    """Every configuration at every load, one orchestrator loaded at a time; with ``plan.repeats``
+    > 1, the whole sweep is repeated in rounds (so a burst of background load does not hit only one
+    configuration) and each (configuration, load) keeps its median-throughput run."""
     switcher = ModelSwitcher(url, [c.model_name for c in plan.configs])
     runs = []
     try:
-        for cfg in plan.configs:
-            t0 = time.perf_counter()
-            switcher.activate(cfg.model_name)
-            log(f"{cfg.model_name}: ready in {time.perf_counter() - t0:.1f}s")
-            for load in plan.loads:
-                runs.append(run_one(url, metrics_url, cfg, load, plan, log))
+        for rnd in range(plan.repeats):
+            if plan.repeats > 1:
+                log(f"round {rnd + 1} of {plan.repeats}")
+            for cfg in plan.configs:
+                t0 = time.perf_counter()
+                switcher.activate(cfg.model_name)
+                log(f"{cfg.model_name}: ready in {time.perf_counter() - t0:.1f}s")
+                for load in plan.loads:
+                    runs.append({**run_one(url, metrics_url, cfg, load, plan, log), "repeat": rnd})
     finally:
         switcher.close()
-    return runs
+    return median_runs(runs) if plan.repeats > 1 else runs
+
+
+def median_runs(runs: list[dict]) -> list[dict]:
+    """Per (model, concurrency, rate): the run with the median throughput (the lower middle one for an
+    even count), with every repeat's throughput in ``throughput_repeats``; first-seen order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["model"], r["concurrency"], r.get("rate")), []).append(r)
+    out = []
+    for rs in groups.values():
+        ranked = sorted(rs, key=lambda r: r["throughput_tok_s"] or 0.0)
+        out.append({**ranked[(len(ranked) - 1) // 2], "throughput_repeats": [r["throughput_tok_s"] for r in rs]})
+    return out
 
 
 # ---- command line -----------------------------------------------------------------------------------------
@@ -840,7 +884,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=["mtp"], help="mtp ngram draft (default mtp)")
     p.add_argument("--concurrency", nargs="+", help="closed-loop levels (default 1 4 16 64; 'none' for none)")
     p.add_argument("--rate", nargs="+", help="Poisson arrival rates in requests/s (open loop), added to the sweep")
-    p.add_argument("--requests", type=int, help="requests per run (default: max(8, 2 x concurrency); 8 s of arrivals)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        help="requests per run (default: max(8, 2 x concurrency), --quick max(16, 4 x C); rates: 8 s of arrivals)",
+    )
     p.add_argument("--max-tokens", type=int, help="tokens per request (default 128; 32 with --quick)")
     p.add_argument("--max-draft-tokens", type=int, default=4, help="K for dynamic (default 4)")
     p.add_argument("--prompts", help="JSON lines with a 'prompt' field (default: held-out stdlib code)")
@@ -853,6 +901,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, help="distinct default prompts (default 64; 16 with --quick)")
     p.add_argument("--prompt-tokens", type=int, default=200, help="max tokens of a default prompt")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=1, help="repeat the sweep in rounds; keep each run's median")
     p.add_argument("--warmup", type=int, default=2, help="short warm-up requests before each run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", help="target checkpoint (default: the embedded model)")
@@ -924,6 +973,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = BenchPlan(
         configs, loads, prompts, args.max_tokens, args.requests, args.warmup, args.temperature, args.seed, args.timeout
     )
+    if "requests" in quick:
+        plan.requests_rule = quick["requests"]
+    plan.repeats = max(1, args.repeats)
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"note: load average {load:.1f} before the bench: other processes share the CPU, results will be noisy")
     t_start = time.perf_counter()
     if args.url:
         host = args.url.rsplit(":", 1)[0]

@@ -163,6 +163,17 @@ def test_ratio_table_compares_with_none_at_the_same_load():
     assert re.search(r"dynamic\s+mtp\s+c=1\s+150\.0\s+1\.50x\s+0\.500\s+0\.50x", table), table
 
 
+def test_repeats_keep_the_median_throughput_run_per_configuration_and_load():
+    def run(model, c, tps, rnd):
+        return {"model": model, "concurrency": c, "rate": None, "throughput_tok_s": tps, "repeat": rnd}
+
+    runs = [run("a", 1, 10.0, 0), run("b", 1, 5.0, 0), run("a", 1, 30.0, 1), run("b", 1, 6.0, 1),
+            run("a", 1, 20.0, 2), run("b", 1, 1.0, 2)]  # fmt: skip
+    merged = bench.median_runs(runs)
+    assert [(r["model"], r["throughput_tok_s"], r["repeat"]) for r in merged] == [("a", 20.0, 2), ("b", 5.0, 0)]
+    assert merged[0]["throughput_repeats"] == [10.0, 30.0, 20.0]
+
+
 # ---- one short sweep through a real server --------------------------------------------------------------------
 @pytest.mark.triton
 def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_model, tmp_path, monkeypatch, capsys):
