@@ -327,4 +327,3 @@ class Orchestrator:
         self._metrics_q.put(None)
         for t in others:
             t.join(timeout_s)
-
