@@ -89,13 +89,19 @@ class Rope(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [..., T, heads, head_dim], positions: [..., T]
-        cos = self.cos[positions].unsqueeze(-2)
-        sin = self.sin[positions].unsqueeze(-2)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., T, 1, head_dim] for ``positions`` [..., T]; gathered once per step."""
+        return self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [..., T, heads, head_dim]
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.rotate(x, *self.tables(positions))
 
 
 class Attention(nn.Module):
@@ -260,11 +266,12 @@ class LlamaModel(nn.Module):
         n = batch.input_ids.shape[0]
         b, q_len = batch.num_requests, batch.max_query
         x = self.model.embed_tokens(batch.input_ids)  # [N, H]
+        cos, sin = self.rope.tables(batch.positions)
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = self.rope(a.q_proj(h).view(n, a.n_heads, a.hd), batch.positions)
-            k = self.rope(a.k_proj(h).view(n, a.n_kv, a.hd), batch.positions)
+            q = Rope.rotate(a.q_proj(h).view(n, a.n_heads, a.hd), cos, sin)
+            k = Rope.rotate(a.k_proj(h).view(n, a.n_kv, a.hd), cos, sin)
             v = a.v_proj(h).view(n, a.n_kv, a.hd)
             kv[li, 0].index_copy_(0, batch.slot_mapping, k)
             kv[li, 1].index_copy_(0, batch.slot_mapping, v)
