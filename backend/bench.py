@@ -118,9 +118,12 @@ def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
     return out
 
 
-def stages_for(configs: list[RunConfig]) -> list[str]:
-    """Stage models the configurations need: the target always, MTP heads / draft model when used."""
+def stages_for(configs: list[RunConfig], overrides: dict[str, str] | None = None) -> list[str]:
+    """Stage models the configurations need: the target always, MTP heads / draft model when used
+    (not the MTP stage when ``mtp_model=local`` runs the heads inside the orchestrator)."""
     methods = {c.method for c in configs}
+    if (overrides or {}).get("mtp_model") == "local":
+        methods.discard("mtp")
     return [TARGET_STAGE] + [STAGES[m] for m in ("mtp", "draft") if m in methods]
 
 
@@ -967,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
         repo = write_bench_repository(args.write_repository, configs, overrides, args.max_draft_tokens)
         print(
             f"wrote {repo}: serve it with --model-control-mode=explicit "
-            + " ".join(f"--load-model={s}" for s in stages_for(configs))
+            + " ".join(f"--load-model={s}" for s in stages_for(configs, overrides))
         )
         return 0
     plan = BenchPlan(
@@ -1013,7 +1016,7 @@ def _run_with_server(args, configs: list[RunConfig], overrides: dict[str, str], 
     tmp = None if args.repository else tempfile.mkdtemp(prefix="lightspec-bench-")
     repo = write_bench_repository(args.repository or Path(tmp) / "repo", configs, overrides, args.max_draft_tokens)
     server = TritonServer(
-        repo, model_control_mode="explicit", load_models=stages_for(configs), tritonserver=args.tritonserver
+        repo, model_control_mode="explicit", load_models=stages_for(configs, overrides), tritonserver=args.tritonserver
     )
     try:
         t0 = time.perf_counter()

@@ -80,7 +80,15 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     for note in check_stage_configs(config, repository):
         pb_utils.Logger.log_warn(f"[lightspec] {note}")
     stages = {s: config.stage_models[s] for s in config.stages_in_use()}
-    engine = LLMEngine(config.engine, executor=BLSExecutor(stages, pb_utils))
+    executor = BLSExecutor(stages, pb_utils)
+    if config.engine.speculative and config.local_stage(config.engine.speculation):
+        from lightspec_core.engine import resolve_dirs
+        from lightspec_core.stages import LocalExecutor, MTPRunner, RoutingExecutor
+
+        target, mtp, _ = resolve_dirs(config.engine)
+        local = LocalExecutor({"mtp": MTPRunner(target, mtp, config.engine.device)})
+        executor = RoutingExecutor({"target": executor, "mtp": local})
+    engine = LLMEngine(config.engine, executor=executor)
     reporter = None
     if config.metrics:
         try:

@@ -49,7 +49,15 @@ class BackendConfig:
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls with this speculation method."""
         method = self.engine.speculation
-        return ["target", *([method] if method in ("mtp", "draft") and self.engine.speculative else [])]
+        remote = method in ("mtp", "draft") and self.engine.speculative and not self.local_stage(method)
+        return ["target", *([method] if remote else [])]
+
+    def local_stage(self, stage: str) -> bool:
+        """``mtp_model: "local"`` runs the MTP heads inside the orchestrator's process."""
+        return stage == "mtp" and self.stage_models.get("mtp") == LOCAL
+
+
+LOCAL = "local"
 
 
 def flatten_parameters(model_config: dict) -> dict[str, str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from lightspec_core.config import EngineConfig
 from lightspec_core.stages import ModelCall, ModelResult, MTPCall, MTPResult
 
-from .params import STAGE_MODEL_PARAMS, Role
+from .params import LOCAL, STAGE_MODEL_PARAMS, Role
 from .tensors import INPUTS, OUTPUTS, TensorSpec
 
 ORCHESTRATOR = "lightspec"
@@ -136,6 +136,8 @@ def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]
     out = {ORCHESTRATOR: render_orchestrator(orch)}
     for role in (Role.TARGET, Role.MTP, Role.DRAFT):
         param, _ = STAGE_MODEL_PARAMS[role.value]
+        if orch[param] == LOCAL:  # run inside the orchestrator: no stage model
+            continue
         stage_params = {k: orch.get(k, "") for k in STAGE_PARAMS[role] if k in orch or k in overrides}
         out[orch[param]] = render_stage(role, orch[param], stage_params)
     return out

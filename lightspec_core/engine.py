@@ -101,6 +101,8 @@ class LLMEngine:
         self._inflight: deque[InFlight] = deque()
         self._aborts: list[str] = []
         self._target_free_at = 0.0
+        self._last_step = 0.0
+        self._stage_seconds = 0.0  # stage time inside the current step, for the overhead estimate
         self._arrivals = itertools.count()
 
     def _make_proposer(self, k: int):
@@ -143,6 +145,10 @@ class LLMEngine:
         return bool(self.seqs) or bool(self._inflight)
 
     def step(self) -> list[RequestDelta]:
+        now = time.perf_counter()
+        if self._stage_seconds and now - self._last_step < 0.1:  # back-to-back steps: a busy loop
+            self.cost.observe_overhead(now - self._last_step - self._stage_seconds)
+        self._last_step, self._stage_seconds = now, 0.0
         deltas = self._process_aborts()
         depth = self.config.pipeline_depth
         while len(self._inflight) < depth:
@@ -199,6 +205,7 @@ class LLMEngine:
         if num_drafts:
             self.stats.observe("stage_latency_seconds", t1 - t0, {"stage": self.config.method.value})
             self.cost.propose.observe(num_drafts, t1 - t0)
+        self._stage_seconds += t1 - t0
         ids: list[int] = []
         pos: list[int] = []
         qlens: list[int] = []
@@ -248,6 +255,7 @@ class LLMEngine:
         self._target_free_at = t_done
         self.stats.observe("stage_latency_seconds", service, {"stage": "target"})
         self.cost.verify.observe(f.num_tokens, service)
+        self._stage_seconds += service
         self.stats.counters["engine_steps_total"] += 1
         deltas = []
         for it, pr, rows in zip(f.plan.items, f.proposals, f.rows):

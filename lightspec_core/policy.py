@@ -71,12 +71,19 @@ class CostModel:
     stage's measured latency. Fitting the stages separately keeps both slopes identifiable (in
     one joint fit N and D move together)."""
 
-    def __init__(self, verify=(3e-3, 1e-4), propose=(1e-3, 5e-5)):
+    def __init__(self, verify=(3e-3, 1e-4), propose=(1e-3, 5e-5), overhead: float = 5e-4):
         self.verify = LinearCost(*verify)
         self.propose = LinearCost(*propose)
+        # Everything else a step costs in wall time (scheduling, verification, detokenising,
+        # sending responses, the server's IPC): it dilutes what the stages cost, so it must count
+        # in goodput or the policy under-drafts behind a heavy serving path.
+        self.overhead = overhead
 
     def step_seconds(self, tokens: int, drafts: int) -> float:
-        return self.verify.predict(tokens) + (self.propose.predict(drafts) if drafts else 0.0)
+        return self.overhead + self.verify.predict(tokens) + (self.propose.predict(drafts) if drafts else 0.0)
+
+    def observe_overhead(self, seconds: float, weight: float = 0.05) -> None:
+        self.overhead += weight * (max(seconds, 0.0) - self.overhead)
 
     @property
     def per_slot(self) -> float:
@@ -87,8 +94,10 @@ class CostModel:
 class AcceptanceStats:
     """Global per-position conditional acceptance counts (decayed), the prior for young requests."""
 
-    def __init__(self, max_k: int, prior: float = 0.6, decay: float = 0.999):
-        self.reached = np.full(max(max_k, 1), 4.0)
+    def __init__(self, max_k: int, prior: float = 0.6, decay: float = 0.999, prior_weight: float = 32.0):
+        # a weighty prior: the first drafts after a prefill are atypical and must not switch
+        # speculation off for everyone before real evidence arrives
+        self.reached = np.full(max(max_k, 1), prior_weight)
         self.accepted = self.reached * prior
         self.decay = decay
 
@@ -125,12 +134,34 @@ class PolicyInput:
 
 
 class DynamicPolicy:
+    """Goodput-maximising k per request (see the module docstring).
+
+    Estimates only improve where the policy drafts: once it decides not to draft, acceptance and
+    proposer cost would never be measured again, and one unlucky early measurement would switch
+    speculation off for good (the failure of acceptance-threshold schedules). So every
+    ``probe_every``-th decision that drafts nothing instead gives each eligible request one draft
+    token: a bounded exploration cost (one extra verified token per request every N steps)."""
+
     name = "dynamic"
 
-    def __init__(self, cost: CostModel):
+    def __init__(self, cost: CostModel, probe_every: int = 8):
         self.cost = cost
+        self.probe_every = probe_every
+        self._idle = 0
 
     def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
+        ks = self._allocate(reqs, base_tokens, token_budget)
+        if any(ks):
+            self._idle = 0
+            return ks
+        self._idle += 1
+        if self.probe_every and self._idle >= self.probe_every:
+            self._idle = 0
+            room = token_budget - base_tokens
+            ks = [1 if r.limit > 0 and i < room else 0 for i, r in enumerate(reqs)]
+        return ks
+
+    def _allocate(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
         ks = [0] * len(reqs)
         tokens = base_tokens
         expected = float(len(reqs))

@@ -185,3 +185,20 @@ class LocalExecutor:
     def close(self) -> None:
         for p in self._pools.values():
             p.shutdown(wait=True)
+
+
+class RoutingExecutor:
+    """Sends each stage to its own executor, e.g. MTP heads in this process and the target over BLS
+    (saves one inter-process round trip per step where the heads are cheap)."""
+
+    def __init__(self, routes: dict[str, Executor]):
+        self.routes = routes
+
+    def submit(self, stage: str, call) -> Future:
+        if stage not in self.routes:
+            raise ValueError(f"stage {stage!r}: no executor configured (known: {sorted(self.routes)})")
+        return self.routes[stage].submit(stage, call)
+
+    def close(self) -> None:
+        for ex in {id(e): e for e in self.routes.values()}.values():
+            ex.close()

@@ -151,3 +151,12 @@ def test_missing_checkpoint_names_the_parameter(tmp_path, smoke_model):
         )
     with pytest.raises(ValueError, match=r"parameter draft_dir="):
         check_checkpoints(parse_backend_config({"model_dir": str(tmp_path / "t"), "role": "draft"}))
+
+
+def test_local_mtp_runs_in_the_orchestrator_and_needs_no_stage_model():
+    from lightspec_backend.repository import render_repository
+
+    cfg = parse_backend_config({"mtp_model": "local", "speculation": "mtp"})
+    assert cfg.stages_in_use() == ["target"] and cfg.local_stage("mtp")
+    assert set(render_repository({"mtp_model": "local"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
+    assert parse_backend_config({"speculation": "mtp"}).stages_in_use() == ["target", "mtp"]

@@ -75,7 +75,7 @@ def test_proposer_overhead_that_drafting_cannot_repay_disables_drafts():
 
 def test_young_requests_lean_on_global_rates():
     acc = AcceptanceStats(3)
-    for _ in range(200):
+    for _ in range(400):
         acc.observe(3, 3)
     g = acc.rates()
     assert g[0] > 0.9
@@ -83,3 +83,12 @@ def test_young_requests_lean_on_global_rates():
     assert fresh[0] > 0.9
     bad = request_alphas([50.0], [0.0], g, 1)  # this request rejects every draft
     assert bad[0] < 0.1
+
+
+def test_policy_probes_again_after_deciding_not_to_draft():
+    pol = _policy(c0=10e-3, c_tok=1e-5, p0=50e-3)  # drafting looks unprofitable
+    reqs = [PolicyInput(4, [0.6] * 4), PolicyInput(0, [])]
+    decisions = [pol.choose(reqs, base_tokens=2, token_budget=64) for _ in range(16)]
+    probes = [i for i, ks in enumerate(decisions) if any(ks)]
+    assert probes == [7, 15]  # one probe every 8 idle decisions, never more
+    assert decisions[7] == [1, 0]  # one draft for the request that may draft
