@@ -87,6 +87,15 @@ def serve(args) -> int:
             + "Ctrl-C to stop.",
             flush=True,
         )
+        if args.sample:
+            print(f"\nSample completion of {args.sample!r} (gRPC stream):", flush=True)
+            sample = argparse.Namespace(
+                prompt=args.sample, max_tokens=args.sample_tokens, url=server.grpc_url, model="lightspec",
+                no_stream=False, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
+                num_draft_tokens=None, timeout=300.0,
+            )
+            if generate(sample) != 0:
+                return 1
         while server.is_alive():
             time.sleep(0.5)
         print(f"tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
@@ -213,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--startup-timeout", type=float, default=600.0)
     s.add_argument("--verbose", action="store_true", help="print the server log here instead of to a file")
     s.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    s.add_argument("--sample", metavar="PROMPT", help="once ready, stream a completion of PROMPT (then keep serving)")
+    s.add_argument("--sample-tokens", type=int, default=64, help="tokens for --sample")
     s.set_defaults(func=serve)
 
     g = sub.add_parser("generate", help="stream a completion from a running server (gRPC)")

@@ -58,11 +58,16 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly(smoke_model, tmp_path, 
         "num_kv_blocks=32",
         "--set",
         "num_threads=1",
+        "--sample",
+        "def g(y):",
+        "--sample-tokens",
+        "6",
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        out = read_until(proc, "Ctrl-C to stop", timeout=600)
+        out = read_until(proc, "tokens/s", timeout=600)
         assert "Ctrl-C to stop" in out, out
+        assert "[6 tokens in" in out, out  # the --sample completion streamed before serving on
         grpc_url = re.search(r"--url (\S+)", out).group(1)
         server_pid = int(re.search(r"tritonserver pid (\d+)", out).group(1))
         assert cli.main(["generate", "def f(x):", "--url", grpc_url, "--max-tokens", "4"]) == 0
