@@ -121,8 +121,10 @@ def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
 def stages_for(configs: list[RunConfig], overrides: dict[str, str] | None = None) -> list[str]:
     """Stage models the configurations need: the target always, MTP heads / draft model when used
     (not the MTP stage when ``mtp_model=local`` runs the heads inside the orchestrator)."""
+    from .repository import default_parameters
+
     methods = {c.method for c in configs}
-    if (overrides or {}).get("mtp_model") == "local":
+    if {**default_parameters(), **(overrides or {})}.get("mtp_model") == "local":
         methods.discard("mtp")
     return [TARGET_STAGE] + [STAGES[m] for m in ("mtp", "draft") if m in methods]
 

@@ -78,7 +78,11 @@ def default_parameters() -> dict[str, str]:
     for key in ORCHESTRATOR_PARAMS:
         if key == "metrics":
             out[key] = "on"
-        elif key in ("target_model", "mtp_model", "draft_model"):
+        elif key == "mtp_model":
+            # MTP heads inside the orchestrator: one BLS round trip less per step, which on CPU beats
+            # a separate stage process (README, Benchmarks); --set mtp_model=lightspec_mtp for a stage
+            out[key] = LOCAL
+        elif key in ("target_model", "draft_model"):
             out[key] = next(d for p, d in STAGE_MODEL_PARAMS.values() if p == key)
         else:
             v = getattr(cfg, key)

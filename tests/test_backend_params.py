@@ -119,7 +119,7 @@ def test_kv_geometry_mismatch_with_a_stage_is_a_load_error(tmp_path):
 
 def test_missing_stage_config_is_only_a_note(tmp_path):
     repo = write_model_repository(tmp_path)
-    cfg = parse_backend_config({"target_model": "elsewhere"}, base_dir=repo)
+    cfg = parse_backend_config({"target_model": "elsewhere", "mtp_model": "local"}, base_dir=repo)
     notes = check_stage_configs(cfg, repo)
     assert len(notes) == 1 and "elsewhere" in notes[0]
 

@@ -55,7 +55,7 @@ def test_orchestrator_config_is_decoupled_and_declares_the_contract():
 
 @pytest.mark.parametrize("name", ["lightspec_target", "lightspec_mtp", "lightspec_draft"])
 def test_stage_configs_are_plain_cpu_models(name):
-    cfg = parse(render_repository()[name])
+    cfg = parse(render_repository({"mtp_model": "lightspec_mtp"})[name])
     assert not cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     assert cfg.instance_group[0].count == 1
@@ -68,7 +68,8 @@ def test_stage_tensor_tables_match_the_stage_dataclasses():
 
 def test_overrides_reach_the_stages_that_use_them(tmp_path):
     repo = write_model_repository(
-        tmp_path, {"model_dir": "/ckpt/target", "num_kv_blocks": 48, "num_threads": 1, "target_model": "big"}
+        tmp_path,
+        {"model_dir": "/ckpt/target", "num_kv_blocks": 48, "num_threads": 1, "target_model": "big", "mtp_model": "lightspec_mtp"},
     )
     target = read_config_parameters(repo / "big" / "config.pbtxt")
     assert target["role"] == "target" and target["num_kv_blocks"] == "48" and target["model_dir"] == "/ckpt/target"

@@ -30,7 +30,8 @@ def test_configs_cross_methods_and_run_the_none_baseline_once():
         ("dynamic@2", "ngram", "lightspec_ngram_dynamic_d2"),
     ]
     assert runs[3].pipeline_depth == 2
-    assert bench.stages_for(runs) == ["lightspec_target", "lightspec_mtp"]
+    assert bench.stages_for(runs) == ["lightspec_target"]  # default: MTP heads inside the orchestrator
+    assert bench.stages_for(runs, {"mtp_model": "lightspec_mtp"}) == ["lightspec_target", "lightspec_mtp"]
     assert bench.RunConfig("static:8", "mtp", "static:8").parameters(4)["max_draft_tokens"] == "8"
 
 

@@ -31,7 +31,10 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def overrides(smoke_model) -> dict[str, str]:
-    return {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "64", "block_size": "16", "num_threads": "1"}
+    # MTP as its own stage model here (the default runs the heads in the orchestrator), so the BLS
+    # path to every stage is exercised; the checked-in repository test covers the default.
+    return {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "64", "block_size": "16", "num_threads": "1",
+            "mtp_model": "lightspec_mtp"}
 
 
 @pytest.fixture(scope="module")
