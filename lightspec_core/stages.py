@@ -9,7 +9,6 @@ tensor name of the stage models (see README "Stage models").
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -169,7 +168,6 @@ class LocalExecutor:
         self.runners = runners
         self.threaded = threaded
         self._pools = {name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in runners} if threaded else {}
-        self._lock = threading.Lock()
 
     def submit(self, stage: str, call) -> Future:
         runner = self.runners[stage]
