@@ -254,8 +254,7 @@ class LLMEngine:
         service = t_done - max(f.t_submit, self._target_free_at)
         self._target_free_at = t_done
         self.stats.observe("stage_latency_seconds", service, {"stage": "target"})
-        prefill = f.plan.prefill_tokens
-        self.cost.verify.observe((f.num_tokens - prefill, prefill), service)
+        self.cost.verify.observe(f.num_tokens, service)
         self._stage_seconds += service
         self.stats.counters["engine_steps_total"] += 1
         deltas = []

@@ -28,29 +28,28 @@ import numpy as np
 
 
 class LinearCost:
-    """Recursive least squares fit of ``seconds = a + Σ_j b_j * x_j`` for one stage, with forgetting.
+    """Recursive least squares fit of ``seconds = a + b * x`` for one stage, with forgetting.
 
     Starts from a prior (usable before any measurement), follows changes in load or machine speed,
     and keeps the parameters physical (non-negative)."""
 
-    def __init__(self, intercept: float, *slopes: float, forget: float = 0.97, noise_var: float = 1e-6):
-        self.theta = np.array([intercept, *slopes], dtype=np.float64)
-        # prior covariance: intercept known to ~10 ms, slopes to ~0.3 ms per token
-        self.P0 = np.diag([1e-4] + [1e-7] * len(slopes))
+    def __init__(self, intercept: float, slope: float, forget: float = 0.97, noise_var: float = 1e-6):
+        self.theta = np.array([intercept, slope], dtype=np.float64)
+        # prior covariance: intercept known to ~10 ms, slope to ~0.3 ms per token
+        self.P0 = np.diag([1e-4, 1e-7])
         self.P = self.P0.copy()
-        self.floor = np.array([0.0] + [1e-7] * len(slopes))
         self.forget = forget
         self.noise_var = noise_var
         self.n = 0
 
-    def predict(self, *xs: float) -> float:
-        return float(self.theta[0] + self.theta[1 : 1 + len(xs)] @ np.asarray(xs, dtype=np.float64))
+    def predict(self, x: float) -> float:
+        return float(self.theta[0] + self.theta[1] * x)
 
-    def observe(self, xs, seconds: float) -> None:
-        v = np.array([1.0, *np.atleast_1d(np.asarray(xs, dtype=np.float64))])
+    def observe(self, x: float, seconds: float) -> None:
+        v = np.array([1.0, float(x)])
         pv = self.P @ v
         gain = pv / (self.forget * self.noise_var + v @ pv)
-        self.theta = np.maximum(self.theta + gain * (seconds - v @ self.theta), self.floor)
+        self.theta = np.maximum(self.theta + gain * (seconds - v @ self.theta), [0.0, 1e-7])
         self.P = (self.P - np.outer(gain, pv)) / self.forget
         # forgetting inflates P in directions the data never excites (RLS wind-up): cap it at the prior
         tr = np.trace(self.P)
@@ -64,18 +63,15 @@ class LinearCost:
 
     @property
     def slope(self) -> float:
-        """Seconds per unit of the first feature."""
         return float(self.theta[1])
 
 
 class CostModel:
-    """Step cost = overhead + verify(decode tokens, prefill tokens) + propose(D drafts), each stage an
-    online linear fit of its own measured latency. Fitting the stages separately keeps the slopes
-    identifiable (in one joint fit N and D move together); decode/verify tokens and prefill tokens are
-    separate features because a long prefill chunk in a step pads the attention of every request,
-    and priced as one kind of token it made draft tokens look several times dearer than they are."""
+    """Step cost = verify(N tokens) + propose(D drafts), each an online linear fit of its own
+    stage's measured latency. Fitting the stages separately keeps both slopes identifiable (in
+    one joint fit N and D move together)."""
 
-    def __init__(self, verify=(3e-3, 1e-4, 1e-4), propose=(1e-3, 5e-5), overhead: float = 5e-4):
+    def __init__(self, verify=(3e-3, 1e-4), propose=(1e-3, 5e-5), overhead: float = 5e-4):
         self.verify = LinearCost(*verify)
         self.propose = LinearCost(*propose)
         # Everything else a step costs in wall time (scheduling, verification, detokenising,
@@ -83,10 +79,8 @@ class CostModel:
         # in goodput or the policy under-drafts behind a heavy serving path.
         self.overhead = overhead
 
-    def step_seconds(self, tokens: int, drafts: int, prefill: int = 0) -> float:
-        """``tokens``: all tokens of the step, of which ``prefill`` are prompt-chunk tokens."""
-        return (self.overhead + self.verify.predict(tokens - prefill, prefill)
-                + (self.propose.predict(drafts) if drafts else 0.0))
+    def step_seconds(self, tokens: int, drafts: int) -> float:
+        return self.overhead + self.verify.predict(tokens) + (self.propose.predict(drafts) if drafts else 0.0)
 
     def observe_overhead(self, seconds: float, weight: float = 0.05) -> None:
         self.overhead += weight * (max(seconds, 0.0) - self.overhead)
@@ -155,8 +149,8 @@ class DynamicPolicy:
         self.probe_every = probe_every
         self._idle = 0
 
-    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, prefill_tokens: int = 0) -> list[int]:
-        ks = self._allocate(reqs, base_tokens, token_budget, prefill_tokens)
+    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
+        ks = self._allocate(reqs, base_tokens, token_budget)
         if any(ks):
             self._idle = 0
             return ks
@@ -167,12 +161,12 @@ class DynamicPolicy:
             ks = [1 if r.limit > 0 and i < room else 0 for i, r in enumerate(reqs)]
         return ks
 
-    def _allocate(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, prefill_tokens: int) -> list[int]:
+    def _allocate(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
         ks = [0] * len(reqs)
         tokens = base_tokens
         expected = float(len(reqs))
         cost = self.cost
-        t0 = cost.step_seconds(base_tokens, 0, prefill_tokens)
+        t0 = cost.step_seconds(base_tokens, 0)
         # a step that drafts at all pays the proposer's fixed cost once
         t = t0 + cost.propose.intercept
         c = cost.per_slot
@@ -201,7 +195,7 @@ class StaticPolicy:
         self.k = k
         self.name = f"static:{k}"
 
-    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, prefill_tokens: int = 0) -> list[int]:
+    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
         room = token_budget - base_tokens
         ks = []
         for r in reqs:

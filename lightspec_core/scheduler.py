@@ -46,11 +46,6 @@ class StepPlan:
         return sum(it.num_new + it.k for it in self.items)
 
     @property
-    def prefill_tokens(self) -> int:
-        """Prompt-chunk tokens (every fed token but the one each sampled item needs anyway)."""
-        return sum(it.num_new - 1 if it.samples else it.num_new for it in self.items)
-
-    @property
     def ks(self) -> list[int]:
         return [it.k for it in self.items if it.samples]
 
@@ -179,7 +174,7 @@ class Scheduler:
             limit = max(0, min(limit, room))
             inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates, limit)))
         base = sum(it.num_new for it in plan.items)
-        ks = self.policy.choose(inputs, base, base + budget, plan.prefill_tokens)
+        ks = self.policy.choose(inputs, base, base + budget)
         for it, k in zip(cands, ks):
             while k > 0 and not self.blocks.ensure(it.seq.request_id, it.seq.num_tokens + k):
                 k -= 1

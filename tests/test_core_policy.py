@@ -6,7 +6,7 @@ from lightspec_core.policy import AcceptanceStats, CostModel, DynamicPolicy, Pol
 
 
 def _policy(c0, c_tok, c_draft=0.0, p0=0.0):
-    return DynamicPolicy(CostModel(verify=(c0, c_tok, c_tok), propose=(p0, max(c_draft, 1e-7))))
+    return DynamicPolicy(CostModel(verify=(c0, c_tok), propose=(p0, max(c_draft, 1e-7))))
 
 
 def test_cheap_verification_speculates_to_the_limit():
@@ -58,11 +58,10 @@ def test_cost_model_learns_per_token_cost():
     cost = CostModel()
     for n in range(1, 300):
         tokens = 1 + (n * 37) % 200
-        prefill = (n * 53) % 300 if n % 3 == 0 else 0  # some steps carry a prompt chunk
-        cost.verify.observe((tokens, prefill), 4e-3 + 2e-4 * tokens + 1e-3 * prefill)
+        cost.verify.observe(tokens, 4e-3 + 2e-4 * tokens)
         cost.propose.observe(n % 9, 1e-3 + 3e-5 * (n % 9))
-    assert abs(cost.verify.slope - 2e-4) < 2e-5  # decode tokens are not priced like prefill ones
-    assert abs(cost.step_seconds(100, 0) - 0.0245) < 2e-3
+    assert abs(cost.verify.slope - 2e-4) < 2e-5
+    assert abs(cost.step_seconds(100, 0) - 0.024) < 2e-3
     assert abs(cost.per_slot - 2.3e-4) < 3e-5
 
 
