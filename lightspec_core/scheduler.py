@@ -42,10 +42,6 @@ class StepPlan:
     decision_seconds: float = 0.0
 
     @property
-    def num_tokens(self) -> int:
-        return sum(it.num_new + it.k for it in self.items)
-
-    @property
     def ks(self) -> list[int]:
         return [it.k for it in self.items if it.samples]
 

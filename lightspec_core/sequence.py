@@ -74,11 +74,6 @@ class Sequence:
         return self.num_computed == len(self.token_ids) - 1
 
     @property
-    def remaining_prefill(self) -> int:
-        """Known tokens whose K/V is not yet written, excluding the newest when decoding."""
-        return len(self.token_ids) - 1 - self.num_computed if self.is_decoding else len(self.token_ids) - self.num_computed
-
-    @property
     def max_new(self) -> int:
         return self.params.max_tokens - self.num_output
 
