@@ -28,7 +28,7 @@ from .proposers import DraftModelProposer, MTPProposer, NgramProposer, NoPropose
 from .sampling import probs_from_logits
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
-from .stages import Executor, LocalExecutor, ModelCall, ModelRunner, MTPRunner
+from .stages import Executor, LocalExecutor, ModelCall, ModelRunner, MTPRunner, pack_block_tables
 from .stats import RuntimeStats
 from .tokenizer import IncrementalDetokenizer, TokenizerInfo
 from .verify import verify_greedy, verify_rejection
@@ -219,10 +219,7 @@ class LLMEngine:
             pos += range(it.start, it.start + len(toks))
             qlens.append(len(toks))
             rows.append(list(range(base + it.num_new - 1, base + len(toks))) if it.samples else [])
-        width = max(len(t) for t in tables)
-        bt = np.zeros((len(tables), width), np.int32)
-        for r, t in enumerate(tables):
-            bt[r, : len(t)] = t
+        bt = pack_block_tables(tables)
         sample_rows = [r for rr in rows for r in rr]
         sampling = any(it.samples and not it.seq.params.greedy for it in plan.items)
         call = ModelCall(

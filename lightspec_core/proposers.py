@@ -15,7 +15,7 @@ import torch
 
 from .sampling import probs_from_logits
 from .sequence import Sequence
-from .stages import Executor, MTPCall, ModelCall
+from .stages import Executor, MTPCall, ModelCall, pack_block_tables
 
 
 @dataclass
@@ -108,10 +108,7 @@ class DraftModelProposer:
         ids = np.array([t for toks in inputs for t in toks], np.int64)
         pos = np.array([p for toks, s in zip(inputs, starts) for p in range(s, s + len(toks))], np.int64)
         qlens = np.array([len(t) for t in inputs], np.int32)
-        width = max(len(t) for t in tables)
-        bt = np.zeros((len(tables), width), np.int32)
-        for r, t in enumerate(tables):
-            bt[r, : len(t)] = t
+        bt = pack_block_tables(tables)
         call = ModelCall(
             input_ids=ids, positions=pos, query_lens=qlens, block_tables=bt,
             sample_indices=(np.cumsum(qlens) - 1).astype(np.int64),

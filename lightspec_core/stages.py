@@ -61,6 +61,14 @@ class MTPResult:
     draft_probs: np.ndarray  # fp32 [B, K, V] proposal distribution q, or [0, K, V]
 
 
+def pack_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """Ragged block tables -> int32 [B, max_blocks], zero-padded (padding is never addressed)."""
+    bt = np.zeros((len(tables), max(len(t) for t in tables)), np.int32)
+    for r, t in enumerate(tables):
+        bt[r, : len(t)] = t
+    return bt
+
+
 def to_tensors(obj) -> dict[str, np.ndarray]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
