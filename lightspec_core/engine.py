@@ -9,11 +9,11 @@ different micro-batches overlap; results are consumed in launch order.
 from __future__ import annotations
 
 import itertools
-import zlib
 import time
+import zlib
 from collections import deque
-from dataclasses import dataclass
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

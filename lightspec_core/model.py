@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -332,7 +332,6 @@ class MTPConfig:
     hidden_size: int = 256
     intermediate_size: int = 512
     rms_norm_eps: float = 1e-5
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_dir(cls, mtp_dir: str | Path) -> MTPConfig:
@@ -373,33 +372,13 @@ class MTPHeads(nn.Module):
         self.heads = nn.ModuleList(MTPHead(cfg) for _ in range(cfg.num_heads))
         self.apply(init_weights)
 
-    @torch.inference_mode()
-    def propose(
-        self, target: LlamaModel, hidden: torch.Tensor, last_ids: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy/sampling-agnostic chain: hidden [B, H], last_ids [B] -> (draft ids [B, k],
-        draft logits [B, k, V]). The caller picks tokens from the logits where it samples; here the
-        chain continues with the argmax, which is what greedy verification accepts."""
-        state, tok = hidden, last_ids
-        ids, logits = [], []
-        emb = target.model.embed_tokens
-        for i in range(k):
-            state, out = self.heads[i](state, emb(tok))
-            lg = target.lm_head(out)
-            tok = lg.argmax(-1)
-            ids.append(tok)
-            logits.append(lg)
-        return torch.stack(ids, 1), torch.stack(logits, 1)
-
     def save(self, mtp_dir: str | Path) -> None:
         from safetensors.torch import save_file
 
         mtp_dir = Path(mtp_dir)
         mtp_dir.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(mtp_dir / "mtp.safetensors"))
-        d = asdict(self.config)
-        d.pop("extra")
-        (mtp_dir / "mtp_config.json").write_text(json.dumps(d, indent=2) + "\n")
+        (mtp_dir / "mtp_config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 
     @classmethod
     def load(cls, mtp_dir: str | Path) -> MTPHeads:

@@ -15,7 +15,7 @@ import torch
 
 from .sampling import probs_from_logits
 from .sequence import Sequence
-from .stages import Executor, MTPCall, ModelCall, pack_block_tables
+from .stages import Executor, ModelCall, MTPCall, pack_block_tables
 
 
 @dataclass
@@ -38,6 +38,11 @@ def _sampling_arrays(seqs: list[Sequence]):
     return temp, top_k, top_p
 
 
+def _drafting(ks: list[int]) -> tuple[list[int], list[Proposal]]:
+    """Indices of the requests that draft this step, and an all-empty result to fill in."""
+    return [i for i, k in enumerate(ks) if k > 0], [EMPTY] * len(ks)
+
+
 class NoProposer:
     def propose(self, seqs, ks, tables):
         return [EMPTY for _ in seqs]
@@ -51,8 +56,7 @@ class MTPProposer:
         self.max_k = max_k
 
     def propose(self, seqs, ks, tables):
-        idx = [i for i, k in enumerate(ks) if k > 0]
-        out = [EMPTY for _ in seqs]
+        idx, out = _drafting(ks)
         if not idx:
             return out
         sub = [seqs[i] for i in idx]
@@ -118,8 +122,7 @@ class DraftModelProposer:
         return self._pick(seqs, res.logits, res.top1_ids)
 
     def propose(self, seqs, ks, tables):
-        idx = [i for i, k in enumerate(ks) if k > 0]
-        out = [EMPTY for _ in seqs]
+        idx, out = _drafting(ks)
         if not idx:
             return out
         sub = [seqs[i] for i in idx]

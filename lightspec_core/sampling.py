@@ -19,7 +19,7 @@ def probs_from_logits(
     top_k 0 disables top-k; top_p 1 disables nucleus filtering. Ties at the top-k threshold are kept.
     """
     logits = logits.float()
-    b, v = logits.shape
+    v = logits.shape[1]
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     scaled = logits / t

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
-
 
 class RuntimeStats:
-    def __init__(self, max_k: int, max_buffer: int = 100_000, window: int = 4096):
-        self.max_k = max_k
+    def __init__(self, max_k: int, max_buffer: int = 100_000):
         self.counters = {
             "spec_decode_num_draft_tokens_total": 0,
             "spec_decode_num_accepted_tokens_total": 0,
@@ -36,8 +33,6 @@ class RuntimeStats:
             "stage_inflight_calls": 0,
         }
         self._obs: deque[tuple[str, float, dict]] = deque(maxlen=max_buffer)
-        self.recent_decisions: deque[float] = deque(maxlen=window)
-        self.recent_k: deque[int] = deque(maxlen=window)
 
     def observe(self, name: str, value: float, labels: dict | None = None) -> None:
         self._obs.append((name, float(value), labels or {}))
@@ -52,10 +47,8 @@ class RuntimeStats:
             self.drafted_per_pos[j] += 1
             if j < accepted:
                 self.accepted_per_pos[j] += 1
-        self.recent_k.append(drafted)
 
     def observe_decision(self, seconds: float, ks: list[int]) -> None:
-        self.recent_decisions.append(seconds)
         self.observe("scheduler_decision_seconds", seconds)
         for k in ks:
             self.observe("draft_tokens_per_step", k)
@@ -64,12 +57,6 @@ class RuntimeStats:
         """1 + accepted / request-steps with drafts (vLLM's definition, counting the bonus token)."""
         steps = self.counters["spec_decode_num_steps_total"]
         return 1.0 + self.counters["spec_decode_num_accepted_tokens_total"] / steps if steps else 1.0
-
-    def decision_percentiles(self) -> dict[str, float]:
-        if not self.recent_decisions:
-            return {"p50": 0.0, "p99": 0.0}
-        a = np.fromiter(self.recent_decisions, float)
-        return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
     def snapshot(self) -> dict:
         d: dict = dict(self.counters)
