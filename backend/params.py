@@ -72,6 +72,8 @@ def _bad(name: str, value: str, why: str) -> ValueError:
 def _convert(name: str, value: str, annotation: str):
     """Convert a string parameter to the type of the EngineConfig field it sets."""
     kinds = {t.strip() for t in str(annotation).split("|")}
+    if "bool" in kinds:
+        return parse_bool(name, value)
     try:
         if "int" in kinds:
             return int(value)

@@ -83,7 +83,9 @@ def parse_policy(policy: str) -> tuple[str, int | None]:
 class EngineConfig:
     """Engine configuration. ``model_dir=None`` uses the embedded default model.
 
-    KV memory is ``num_kv_blocks`` blocks of ``block_size`` tokens. Each step schedules at most
+    KV memory is ``num_kv_blocks`` blocks of ``block_size`` tokens. With the dynamic policy the
+    engine times its stages on synthetic steps before its first step (``profile_stages``; about a
+    second) and plans with that profile; without it, it plans with generic costs. Each step schedules at most
     ``max_num_seqs`` requests and ``max_num_batched_tokens`` new tokens (prefill chunks + 1 + k per
     decoding request).
     """
@@ -106,6 +108,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     num_threads: int = 0
+    profile_stages: bool = True
 
     def __post_init__(self) -> None:
         try:

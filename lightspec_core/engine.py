@@ -9,6 +9,7 @@ different micro-batches overlap; results are consumed in launch order.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import zlib
 from collections import deque
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from .block_manager import BlockManager
+from .calibrate import ProfileSpec, calibrate
 from .config import EngineConfig, SamplingParams, SpecMethod
 from .model import LlamaConfig
 from .outputs import RequestDelta, RequestOutput
@@ -34,6 +36,7 @@ from .tokenizer import IncrementalDetokenizer, TokenizerInfo
 from .verify import verify_greedy, verify_rejection
 
 DEFAULT_MODEL_ROOT = Path(__file__).parent / "default_model"
+log = logging.getLogger("lightspec")
 
 
 def default_model_dir() -> str:
@@ -67,6 +70,9 @@ class InFlight:
     rows: list[list[int]]  # per plan item: rows of the target output to verify (empty: no sample)
     t_submit: float
     num_tokens: int
+    context: int  # padded KV slots the target's attention reads: requests x longest context
+    prefill: int  # of num_tokens, prompt-chunk tokens
+    drafts: int  # of num_tokens, draft tokens
 
 
 def _stamp_done(fut: Future) -> None:
@@ -90,6 +96,7 @@ class LLMEngine:
         self.stats = RuntimeStats(max(k, 1))
         self.acceptance = AcceptanceStats(max(k, 1))
         self.cost = CostModel()
+        self._profile_pending = cfg.speculative and cfg.policy_kind == "dynamic" and cfg.profile_stages
         policy = DynamicPolicy(self.cost) if cfg.policy_kind == "dynamic" else StaticPolicy(cfg.static_k or 0)
         if cfg.policy_kind == "static" and cfg.static_k is None:
             policy = StaticPolicy(cfg.max_draft_tokens)
@@ -150,6 +157,8 @@ class LLMEngine:
             self.cost.observe_overhead(now - self._last_step - self._stage_seconds)
         self._last_step, self._stage_seconds = now, 0.0
         deltas = self._process_aborts()
+        if self._profile_pending and not self._inflight and self.scheduler.has_work():
+            self.profile_stages()
         depth = self.config.pipeline_depth
         while len(self._inflight) < depth:
             busy = {it.seq.request_id for f in self._inflight for it in f.plan.items}
@@ -192,6 +201,20 @@ class LLMEngine:
                     pending.discard(d.request_id)
         return list(outs.values())
 
+    def profile_stages(self) -> None:
+        """Time the stages on synthetic steps and plan with the result (see ``calibrate``). Runs
+        once, before the first step computes anything; the KV it writes is overwritten later."""
+        self._profile_pending = False
+        cfg = self.config
+        spec = ProfileSpec(cfg.method, self.scheduler.max_k, cfg.block_size, cfg.num_kv_blocks, cfg.max_num_seqs,
+                           cfg.max_num_batched_tokens, self.max_model_len, self.model_config.hidden_size)
+        try:
+            self.cost.verify, self.cost.propose = calibrate(self.executor, spec)
+        except Exception:  # a profile is an optimisation: serve with generic costs rather than fail
+            log.exception("stage profile failed; planning with generic costs")
+            return
+        self.cost.calibrated = True
+
     def close(self) -> None:
         self.executor.close()
 
@@ -204,7 +227,7 @@ class LLMEngine:
         num_drafts = sum(len(p.draft_ids) for p in props)
         if num_drafts:
             self.stats.observe("stage_latency_seconds", t1 - t0, {"stage": self.config.method.value})
-            self.cost.propose.observe(num_drafts, t1 - t0)
+            self.cost.observe_propose(num_drafts, max(len(p.draft_ids) for p in props), t1 - t0)
         self._stage_seconds += t1 - t0
         ids: list[int] = []
         pos: list[int] = []
@@ -237,7 +260,8 @@ class LLMEngine:
         t_submit = time.perf_counter()
         fut = self.executor.submit("target", call)
         fut.add_done_callback(_stamp_done)
-        return InFlight(plan, props, fut, out_rows, t_submit, len(ids))
+        return InFlight(plan, props, fut, out_rows, t_submit, len(ids), len(qlens) * (max(pos) + 1),
+                        plan.prefill_tokens, len(ids) - sum(it.num_new for it in plan.items))
 
     # ---- complete: verify, update, emit --------------------------------------------------------
     def _complete(self, f: InFlight) -> list[RequestDelta]:
@@ -251,7 +275,7 @@ class LLMEngine:
         service = t_done - max(f.t_submit, self._target_free_at)
         self._target_free_at = t_done
         self.stats.observe("stage_latency_seconds", service, {"stage": "target"})
-        self.cost.verify.observe(f.num_tokens, service)
+        self.cost.observe_verify(len(f.plan.items), f.drafts, f.context, f.prefill, service)
         self._stage_seconds += service
         self.stats.counters["engine_steps_total"] += 1
         deltas = []

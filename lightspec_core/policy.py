@@ -3,92 +3,146 @@
 Dynamic policy (goodput maximisation). For request i with conditional acceptance rates
 α_{i,1..K} (α_{i,j} = P(draft j accepted | drafts 1..j-1 accepted)), k drafts yield in expectation
 
-    E_i(k) = 1 + Σ_{j<=k} Π_{m<=j} α_{i,m}            (the 1 is the bonus / plain token)
+    E_i(k) = 1 + Σ_{j<=k} g_{i,j},   g_{i,j} = Π_{m<=j} α_{i,m}     (the 1 is the bonus / plain token)
 
-and a step with N verified tokens and D drafted tokens costs, by an online linear fit,
+and a step of B requests with D drafts costs (see :class:`CostModel`)
 
-    T(N, D) = (v0 + v1 · N) + [D > 0] · (p0 + p1 · D)      (verify stage + propose stage)
+    T = overhead + s_v · (a(B) + c(B) · D + v_ctx · C + v_pre · P) + [D > 0] · s_p · (p0 + p_draft · D + p_depth · max_i k_i)
 
-Goodput G = Σ_i E_i(k_i) / T. Adding one draft slot to request i adds g = Π_{m<=k_i+1} α_{i,m} tokens
-and c = v1 + p1 seconds, and raises G iff g / c > G. Drafting at all must also pay for the
-proposer's fixed cost p0, checked once at the end. Since every g_i shrinks as k_i grows,
-handing out slots one at a time to the request with the largest g (a heap) until the test fails is
-optimal for this cost model. Worked example: one request, α = 0.8 at every position, c0 = 10 ms,
-c = 1 ms: G starts at 1/10; slot 1 adds 0.8 tokens for 1 ms (0.8 > 0.1 → take), slot 2 adds 0.64,
-... every slot is taken up to K. At 64 requests with c0 = 10 ms and c_tok = 1 ms per token,
-G = 64/74 = 0.86 tokens/ms, so only requests with α above 0.86 get a draft slot.
+The policy maximises goodput G = Σ_i E_i(k_i) / T. For a fixed depth cap d the best allocation of n
+slots takes the n largest gains g_{i,j} (j <= d; each g falls with j, so the slots taken form a prefix
+per request), and G of every prefix is computed at once with cumulative sums; the policy takes the
+best (d, n) over all depth caps. That is the exact optimum of the cost model (an optimal allocation
+with n slots and depth d is beaten or matched by the n largest gains of depth <= d), so it includes
+every static depth and not drafting at all. Worked example: one request, α = 0.8 everywhere,
+T = 10 ms + 1 ms per slot: G(0) = 0.1, G(1) = 1.8/11, ... G(4) = 3.36/14: all four slots. At 64
+requests with 10 ms fixed and 1 ms per slot, G(0) = 64/74 tokens/ms, so only requests whose gains
+exceed about 0.86 draft.
 """
 
 from __future__ import annotations
 
-import heapq
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
 
 
-class LinearCost:
-    """Recursive least squares fit of ``seconds = a + b * x`` for one stage, with forgetting.
+class VerifyCost:
+    """The target stage's step time against batch size, from a profile (see ``calibrate``).
 
-    Starts from a prior (usable before any measurement), follows changes in load or machine speed,
-    and keeps the parameters physical (non-negative)."""
+    ``fixed[i]`` is a step of ``sizes[i]`` requests feeding one token each, ``per_draft[i]`` what one
+    more token (a draft) adds at that size; both are interpolated linearly in B between profiled
+    sizes and extrapolated beyond the largest. A draft costs far more at B = 1 than at B = 64 on a
+    CPU (a matrix product of one row is nearly as dear as of eight), so one global slope would
+    over-draft a lone request or under-draft a full batch. ``per_context`` prices the KV slots the
+    attention reads (requests x longest context): a full batch's fixed cost, not a draft's.
+    ``per_prefill`` prices prompt-chunk tokens, which come in long, cheap runs."""
 
-    def __init__(self, intercept: float, slope: float, forget: float = 0.97, noise_var: float = 1e-6):
-        self.theta = np.array([intercept, slope], dtype=np.float64)
-        # prior covariance: intercept known to ~10 ms, slope to ~0.3 ms per token
-        self.P0 = np.diag([1e-4, 1e-7])
-        self.P = self.P0.copy()
-        self.forget = forget
-        self.noise_var = noise_var
-        self.n = 0
+    def __init__(self, sizes, fixed, per_draft, per_context: float = 0.0, per_prefill: float = 0.0):
+        self.sizes = np.asarray(sizes, dtype=np.float64)
+        self.fixed = np.asarray(fixed, dtype=np.float64)
+        self.per_draft = np.maximum(np.asarray(per_draft, dtype=np.float64), 1e-7)
+        if not (len(self.sizes) == len(self.fixed) == len(self.per_draft) >= 1):
+            raise ValueError("VerifyCost: sizes, fixed and per_draft need the same, non-zero length")
+        if (np.diff(self.sizes) <= 0).any():
+            raise ValueError("VerifyCost: sizes must increase")
+        self.per_context = max(float(per_context), 0.0)
+        self.per_prefill = max(float(per_prefill), 0.0)
+        self._x = self.sizes.tolist()
+        self._fixed, self._per_draft = self.fixed.tolist(), self.per_draft.tolist()
 
-    def predict(self, x: float) -> float:
-        return float(self.theta[0] + self.theta[1] * x)
+    @classmethod
+    def linear(cls, v0: float, v_tok: float, v_ctx: float = 0.0, v_pre: float = 0.0) -> VerifyCost:
+        """``v0 + v_tok`` per token at every batch size (tests, and before a profile exists)."""
+        return cls([1, 2], [v0 + v_tok, v0 + 2 * v_tok], [v_tok, v_tok], v_ctx, v_pre)
 
-    def observe(self, x: float, seconds: float) -> None:
-        v = np.array([1.0, float(x)])
-        pv = self.P @ v
-        gain = pv / (self.forget * self.noise_var + v @ pv)
-        self.theta = np.maximum(self.theta + gain * (seconds - v @ self.theta), [0.0, 1e-7])
-        self.P = (self.P - np.outer(gain, pv)) / self.forget
-        # forgetting inflates P in directions the data never excites (RLS wind-up): cap it at the prior
-        tr = np.trace(self.P)
-        if tr > np.trace(self.P0):
-            self.P *= np.trace(self.P0) / tr
-        self.n += 1
+    def _at(self, y: list[float], b: float) -> float:
+        """Piecewise-linear in B through the profiled sizes, extended along the end segments.
+        (Plain Python: the policy calls this every step, and numpy's call overhead would dominate.)"""
+        x = self._x
+        if len(x) == 1:
+            return y[0]
+        i = min(max(bisect.bisect_right(x, b) - 1, 0), len(x) - 2)
+        return y[i] + (y[i + 1] - y[i]) / (x[i + 1] - x[i]) * (b - x[i])
 
-    @property
-    def intercept(self) -> float:
-        return float(self.theta[0])
+    def draft_cost(self, requests: int) -> float:
+        return max(self._at(self._per_draft, requests), 1e-7)
 
-    @property
-    def slope(self) -> float:
-        return float(self.theta[1])
+    def predict(self, requests: int, drafts: int, context: int = 0, prefill: int = 0) -> float:
+        return (max(self._at(self._fixed, requests), 0.0) + self.draft_cost(requests) * drafts
+                + self.per_context * context + self.per_prefill * prefill)
+
+
+@dataclass
+class ProposeCost:
+    """The proposer's time for D drafts whose longest chain is ``depth``: a fixed part, a part per
+    draft (rows through a head or a draft-model step) and a part per sequential head/step."""
+
+    fixed: float = 5e-4
+    per_draft: float = 5e-5
+    per_depth: float = 1e-4
+
+    def predict(self, drafts: int, depth: int) -> float:
+        return self.fixed + self.per_draft * drafts + self.per_depth * depth if drafts else 0.0
 
 
 class CostModel:
-    """Step cost = verify(N tokens) + propose(D drafts), each an online linear fit of its own
-    stage's measured latency. Fitting the stages separately keeps both slopes identifiable (in
-    one joint fit N and D move together)."""
+    """Step cost = serving overhead + verify + propose, from a profile of the stages taken when the
+    engine starts (``calibrate``), kept current by measurement: each completed stage call updates a
+    multiplicative scale (measured / predicted, exponentially averaged), so the estimates follow a
+    machine that gets busier or a model that runs slower than profiled, while the shape (what a
+    draft costs at this batch size) stays the profiled one. Fitting slopes online instead is
+    ill-posed: in steady serving, tokens, batch size and context move together."""
 
-    def __init__(self, verify=(3e-3, 1e-4), propose=(1e-3, 5e-5), overhead: float = 5e-4):
-        self.verify = LinearCost(*verify)
-        self.propose = LinearCost(*propose)
+    def __init__(self, verify: VerifyCost | tuple | None = None, propose: ProposeCost | tuple | None = None,
+                 overhead: float = 5e-4, smoothing: float = 0.05):
+        if verify is None or isinstance(verify, tuple):
+            verify = VerifyCost.linear(*(verify or (3e-3, 1e-4, 1.5e-6, 5e-5)))
+        if propose is None or isinstance(propose, tuple):
+            propose = ProposeCost(*(propose or ()))
+        self.verify, self.propose = verify, propose
+        self.verify_scale = self.propose_scale = 1.0
         # Everything else a step costs in wall time (scheduling, verification, detokenising,
         # sending responses, the server's IPC): it dilutes what the stages cost, so it must count
         # in goodput or the policy under-drafts behind a heavy serving path.
         self.overhead = overhead
+        self.smoothing = smoothing
+        self.calibrated = False
 
-    def step_seconds(self, tokens: int, drafts: int) -> float:
-        return self.overhead + self.verify.predict(tokens) + (self.propose.predict(drafts) if drafts else 0.0)
+    def _track(self, scale: float, predicted: float, seconds: float) -> float:
+        if predicted <= 0 or seconds <= 0:
+            return scale
+        ratio = min(max(seconds / predicted, 0.25), 4.0)  # one outlier (a preempted core) moves it little
+        return scale + self.smoothing * (ratio - scale)
+
+    def observe_verify(self, requests: int, drafts: int, context: int, prefill: int, seconds: float) -> None:
+        self.verify_scale = self._track(self.verify_scale, self.verify.predict(requests, drafts, context, prefill),
+                                        seconds)
+
+    def observe_propose(self, drafts: int, depth: int, seconds: float) -> None:
+        self.propose_scale = self._track(self.propose_scale, self.propose.predict(drafts, depth), seconds)
 
     def observe_overhead(self, seconds: float, weight: float = 0.05) -> None:
         self.overhead += weight * (max(seconds, 0.0) - self.overhead)
 
+    def step_seconds(self, requests: int, drafts: int, context: int = 0, depth: int = 0, prefill: int = 0) -> float:
+        """Predicted wall time of a step of ``requests`` requests with ``drafts`` drafts in all
+        (``depth`` the largest k of any request) and ``prefill`` prompt-chunk tokens."""
+        return (self.overhead + self.verify_scale * self.verify.predict(requests, drafts, context, prefill)
+                + self.propose_scale * self.propose.predict(drafts, depth))
+
+    def per_slot(self, requests: int) -> float:
+        """Marginal seconds of one more draft token at this batch size: verified and proposed."""
+        return self.verify_scale * self.verify.draft_cost(requests) + self.propose_scale * self.propose.per_draft
+
     @property
-    def per_slot(self) -> float:
-        """Marginal seconds of one more draft token: verified by the target and proposed."""
-        return self.verify.slope + self.propose.slope
+    def per_depth(self) -> float:
+        return self.propose_scale * self.propose.per_depth
+
+    @property
+    def propose_fixed(self) -> float:
+        return self.propose_scale * self.propose.fixed
 
 
 class AcceptanceStats:
@@ -149,8 +203,13 @@ class DynamicPolicy:
         self.probe_every = probe_every
         self._idle = 0
 
-    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
-        ks = self._allocate(reqs, base_tokens, token_budget)
+    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, context: int = 0,
+               prefill: int = 0, requests: int | None = None) -> list[int]:
+        """``base_tokens``: the step's tokens before drafts, ``prefill`` of them prompt chunks;
+        ``requests``: requests in the step (default: one token each); ``context``: KV slots read."""
+        if requests is None:
+            requests = base_tokens - prefill
+        ks = self._allocate(reqs, base_tokens, token_budget, context, prefill, requests)
         if any(ks):
             self._idle = 0
             return ks
@@ -161,32 +220,77 @@ class DynamicPolicy:
             ks = [1 if r.limit > 0 and i < room else 0 for i, r in enumerate(reqs)]
         return ks
 
-    def _allocate(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
-        ks = [0] * len(reqs)
-        tokens = base_tokens
-        expected = float(len(reqs))
+    def _allocate(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, context: int,
+                  prefill: int, requests: int) -> list[int]:
+        b = len(reqs)
+        room = token_budget - base_tokens
+        lims = [r.limit if r.limit > 0 else 0 for r in reqs]
+        big_k = max(lims, default=0)
+        if big_k == 0 or room <= 0:
+            return [0] * b
         cost = self.cost
-        t0 = cost.step_seconds(base_tokens, 0)
-        # a step that drafts at all pays the proposer's fixed cost once
-        t = t0 + cost.propose.intercept
-        c = cost.per_slot
-        heap = [(-r.alphas[0], i, r.alphas[0]) for i, r in enumerate(reqs) if r.limit > 0]
-        heapq.heapify(heap)
-        while heap and tokens < token_budget:
-            _, i, g = heap[0]
-            if g * t <= expected * c:  # g / c <= G: one more slot would lower goodput
-                break
-            heapq.heappop(heap)
-            ks[i] += 1
-            expected += g
-            t += c
-            tokens += 1
-            r = reqs[i]
-            if ks[i] < r.limit:
-                g2 = g * r.alphas[ks[i]]
-                heapq.heappush(heap, (-g2, i, g2))
-        if expected * t0 <= len(reqs) * t:  # drafting at all does not pay for the proposer's overhead
-            return [0] * len(reqs)
+        t0 = cost.step_seconds(requests, 0, context, prefill=prefill)
+        terms = (float(base_tokens - prefill), t0, t0 + cost.propose_fixed, cost.per_slot(requests), cost.per_depth)
+        if b * big_k <= 64:  # the common small case: plain Python beats numpy's per-call overhead
+            return self._allocate_small(reqs, lims, room, *terms)
+        vals: list[float] = []  # alphas as one padded [b, big_k] matrix (plain lists: this is the hot path)
+        pad = [0.0] * big_k
+        for r, lim in zip(reqs, lims):
+            vals += r.alphas[:lim]
+            vals += pad[lim:]
+        alphas = np.array(vals).reshape(b, big_k)
+        gains = np.cumprod(np.clip(alphas, 0.0, 1.0), axis=1)  # g_{i,j}; 0 beyond a request's limit
+        base, t0, fixed, per_slot, per_depth = terms
+        flat = gains.ravel()
+        order = np.argsort(-flat, kind="stable")  # ties keep j ascending within a request
+        order = order[: int(np.count_nonzero(flat > 0))]
+        level = order % big_k + 1  # the draft position each slot fills
+        best_g, best = base / t0, None  # base: tokens the decoding requests produce without drafts
+        for d in range(1, big_k + 1):
+            taken = order[level <= d][:room]  # the largest gains with no draft deeper than d
+            if not len(taken):
+                continue
+            depth = np.maximum.accumulate(taken % big_k + 1)
+            n = np.arange(1, len(taken) + 1)
+            good = (base + np.cumsum(flat[taken])) / (fixed + per_slot * n + per_depth * depth)
+            j = int(good.argmax())
+            if good[j] > best_g:
+                best_g, best = float(good[j]), taken[: j + 1]
+        if best is None:
+            return [0] * b
+        return np.bincount(best // big_k, minlength=b).tolist()
+
+    @staticmethod
+    def _allocate_small(reqs, lims, room, base, t0, fixed, per_slot, per_depth) -> list[int]:
+        """The same optimum as the numpy path, for a few requests."""
+        slots = []  # (-gain, request, position): sorted, largest gain first, positions ascending
+        for i, (r, lim) in enumerate(zip(reqs, lims)):
+            g = 1.0
+            for j in range(lim):
+                g *= min(max(r.alphas[j], 0.0), 1.0)
+                if g <= 0.0:
+                    break
+                slots.append((-g, i, j))
+        slots.sort()
+        best_g, best = base / t0, None
+        for d in range(1, max(lims) + 1):
+            e, n, depth = base, 0, 0
+            for neg, i, j in slots:
+                if j >= d:
+                    continue
+                if n == room:
+                    break
+                n += 1
+                e -= neg
+                depth = max(depth, j + 1)
+                g = e / (fixed + per_slot * n + per_depth * depth)
+                if g > best_g:
+                    best_g, best = g, (d, n)
+        ks = [0] * len(reqs)
+        if best is not None:
+            d, n = best
+            for _, i, j in [x for x in slots if x[2] < d][:n]:
+                ks[i] += 1
         return ks
 
 
@@ -195,7 +299,8 @@ class StaticPolicy:
         self.k = k
         self.name = f"static:{k}"
 
-    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int) -> list[int]:
+    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, context: int = 0,
+               prefill: int = 0, requests: int | None = None) -> list[int]:
         room = token_budget - base_tokens
         ks = []
         for r in reqs:

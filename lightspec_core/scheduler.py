@@ -42,6 +42,11 @@ class StepPlan:
     decision_seconds: float = 0.0
 
     @property
+    def prefill_tokens(self) -> int:
+        """Tokens of prompt chunks (requests not yet decoding); the rest are decode tokens."""
+        return sum(it.num_new for it in self.items if not it.seq.is_decoding)
+
+    @property
     def ks(self) -> list[int]:
         return [it.k for it in self.items if it.samples]
 
@@ -170,7 +175,8 @@ class Scheduler:
             limit = max(0, min(limit, room))
             inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates, limit)))
         base = sum(it.num_new for it in plan.items)
-        ks = self.policy.choose(inputs, base, base + budget)
+        context = len(plan.items) * max(it.start + it.num_new for it in plan.items)
+        ks = self.policy.choose(inputs, base, base + budget, context, plan.prefill_tokens, len(plan.items))
         for it, k in zip(cands, ks):
             while k > 0 and not self.blocks.ensure(it.seq.request_id, it.seq.num_tokens + k):
                 k -= 1

@@ -125,36 +125,47 @@ class MTPRunner:
 
     @torch.inference_mode()
     def execute(self, call: MTPCall) -> MTPResult:
+        """Head j runs only on the rows that asked for more than j drafts, so a step costs in
+        proportion to the drafts requested (sum of k_b), not to batch x max k_b: a dynamic
+        schedule that gives a few requests deep drafts does not pay deep drafts for everyone."""
         dev = self.device
         b = len(call.last_ids)
-        kmax = int(call.num_tokens.max()) if b else 0
+        ks = np.asarray(call.num_tokens, np.int64)
+        kmax = int(ks.max()) if b else 0
         big_k = call.uniforms.shape[1]
         if kmax > self.num_heads:
             raise ValueError(f"num_tokens: {kmax} draft tokens requested but the model has {self.num_heads} MTP heads")
-        state = torch.from_numpy(np.ascontiguousarray(call.hidden, dtype=np.float32)).to(dev)
-        tok = torch.from_numpy(np.ascontiguousarray(call.last_ids, dtype=np.int64)).to(dev)
-        temp = torch.from_numpy(np.asarray(call.temperature, np.float32)).to(dev)
-        top_k = torch.from_numpy(np.asarray(call.top_k, np.int64)).to(dev)
-        top_p = torch.from_numpy(np.asarray(call.top_p, np.float32)).to(dev)
-        u = torch.from_numpy(np.asarray(call.uniforms, np.float32)).to(dev)
         want_probs = bool(call.return_probs[0])
-        greedy = temp == 0
         ids = torch.full((b, big_k), -1, dtype=torch.int64)
         v = self.target.config.vocab_size
         probs_out = torch.zeros((b, big_k, v) if want_probs else (0, big_k, v), dtype=torch.float32)
+        if kmax == 0:
+            return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy())
+        rows = np.flatnonzero(ks > 0)
+        state = torch.from_numpy(np.ascontiguousarray(call.hidden[rows], dtype=np.float32)).to(dev)
+        tok = torch.from_numpy(np.ascontiguousarray(call.last_ids[rows], dtype=np.int64)).to(dev)
+        temp = torch.from_numpy(np.asarray(call.temperature, np.float32)[rows]).to(dev)
+        top_k = torch.from_numpy(np.asarray(call.top_k, np.int64)[rows]).to(dev)
+        top_p = torch.from_numpy(np.asarray(call.top_p, np.float32)[rows]).to(dev)
+        u = torch.from_numpy(np.asarray(call.uniforms, np.float32)[rows]).to(dev)
         emb = self.target.model.embed_tokens
         for i in range(kmax):
+            if i:  # drop the rows whose drafts are complete (rows stay in input order)
+                keep = ks[rows] > i
+                if not keep.all():
+                    rows = rows[keep]
+                    sel = torch.from_numpy(np.flatnonzero(keep)).to(dev)
+                    state, tok, temp, top_k, top_p, u = (t.index_select(0, sel)
+                                                         for t in (state, tok, temp, top_k, top_p, u))
             state, out = self.heads.heads[i](state, emb(tok))
             logits = self.target.lm_head(out)
             tok = logits.argmax(-1)
+            greedy = temp == 0
             if want_probs and not bool(greedy.all()):
                 q = probs_from_logits(logits, temp, top_k, top_p)
-                sampled = sample_with_uniforms(q, u[:, i])
-                tok = torch.where(greedy, tok, sampled)
-                probs_out[:, i] = q.cpu()
-            ids[:, i] = tok.cpu()
-        active = torch.arange(big_k).unsqueeze(0) < torch.from_numpy(np.asarray(call.num_tokens, np.int64)).unsqueeze(1)
-        ids[~active] = -1
+                tok = torch.where(greedy, tok, sample_with_uniforms(q, u[:, i]))
+                probs_out[rows, i] = q.cpu()
+            ids[rows, i] = tok.cpu()
         return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy())
 
 

@@ -166,7 +166,7 @@ class FlakyExecutor:
 
 
 def test_stage_failure_fails_the_micro_batch_and_engine_keeps_serving(smoke_model):
-    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp")
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", profile_stages=False)
     eng = LLMEngine(cfg, executor=FlakyExecutor(build_local_executor(cfg)))
     out = eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=4))
     assert [o.finish_reason for o in out] == ["error", "error"]
@@ -174,3 +174,21 @@ def test_stage_failure_fails_the_micro_batch_and_engine_keeps_serving(smoke_mode
     assert eng.blocks.usage() == 0.0
     again = eng.generate(["x = 1"], SamplingParams(max_tokens=4))[0]
     assert again.finish_reason == "length" and len(again.output_token_ids) == 4
+
+
+def test_dynamic_engine_profiles_its_stages_once_before_computing(smoke_model):
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", max_num_seqs=8)
+    eng = LLMEngine(cfg)
+    assert not eng.cost.calibrated
+    out = eng.generate(["x = 1"], SamplingParams(max_tokens=8))[0]
+    assert eng.cost.calibrated and eng.cost.verify.sizes.tolist() == [1, 2, 4, 8]
+    assert out.output_token_ids == LLMEngine(EngineConfig(model_dir=cfg.model_dir, speculation="none")).generate(
+        ["x = 1"], SamplingParams(max_tokens=8))[0].output_token_ids
+
+
+def test_a_failed_profile_leaves_generic_costs_and_serving_intact(smoke_model):
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp")
+    eng = LLMEngine(cfg, executor=FlakyExecutor(build_local_executor(cfg)))  # fails the profile's first call
+    out = eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=4))
+    assert [o.finish_reason for o in out] == ["length", "length"]
+    assert not eng.cost.calibrated and eng.blocks.usage() == 0.0

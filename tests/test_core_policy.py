@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
+
 from lightspec_core.policy import AcceptanceStats, CostModel, DynamicPolicy, PolicyInput, StaticPolicy, request_alphas
 
 
 def _policy(c0, c_tok, c_draft=0.0, p0=0.0):
-    return DynamicPolicy(CostModel(verify=(c0, c_tok), propose=(p0, max(c_draft, 1e-7))))
+    return DynamicPolicy(CostModel(verify=(c0, c_tok), propose=(p0, max(c_draft, 1e-7), 0.0)))
 
 
 def test_cheap_verification_speculates_to_the_limit():
@@ -35,7 +39,7 @@ def test_goodput_is_not_lowered_by_any_single_change():
             for j in range(k):
                 prod *= r.alphas[j]
                 e += prod
-        return e / pol.cost.step_seconds(4 + sum(ks), sum(ks))
+        return e / pol.cost.step_seconds(4, sum(ks), depth=max(ks))
 
     best = goodput(ks)
     for i in range(4):
@@ -52,17 +56,6 @@ def test_token_budget_and_limits_are_respected():
     assert ks[0] <= 2 and sum(ks) == 3
     assert StaticPolicy(3).choose([PolicyInput(2, [0.5] * 2), PolicyInput(4, [0.5] * 4)], 2, 100) == [2, 3]
     assert StaticPolicy(3).choose([PolicyInput(4, [0.5] * 4)] * 3, 3, 7) == [3, 1, 0]
-
-
-def test_cost_model_learns_per_token_cost():
-    cost = CostModel()
-    for n in range(1, 300):
-        tokens = 1 + (n * 37) % 200
-        cost.verify.observe(tokens, 4e-3 + 2e-4 * tokens)
-        cost.propose.observe(n % 9, 1e-3 + 3e-5 * (n % 9))
-    assert abs(cost.verify.slope - 2e-4) < 2e-5
-    assert abs(cost.step_seconds(100, 0) - 0.024) < 2e-3
-    assert abs(cost.per_slot - 2.3e-4) < 3e-5
 
 
 def test_proposer_overhead_that_drafting_cannot_repay_disables_drafts():
@@ -92,3 +85,132 @@ def test_policy_probes_again_after_deciding_not_to_draft():
     probes = [i for i, ks in enumerate(decisions) if any(ks)]
     assert probes == [7, 15]  # one probe every 8 idle decisions, never more
     assert decisions[7] == [1, 0]  # one draft for the request that may draft
+
+
+def _expected(reqs, ks):
+    return sum(1 + sum(float(np.prod(r.alphas[: j + 1])) for j in range(k)) for r, k in zip(reqs, ks))
+
+
+def test_allocation_is_the_exact_optimum_including_the_proposers_depth_cost():
+    """Brute force over every allocation of small random instances: the policy's choice has the
+    highest predicted goodput, with a proposer whose cost grows with its depth (max k) and a
+    target that reads a large context whatever k is."""
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        b, big_k = int(rng.integers(1, 4)), 3
+        cost = CostModel(verify=(rng.uniform(1e-3, 5e-3), rng.uniform(1e-5, 5e-4), rng.uniform(0, 3e-6)),
+                         propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 2e-4), rng.uniform(0, 1e-3)))
+        pol = DynamicPolicy(cost, probe_every=0)
+        reqs = [PolicyInput(int(rng.integers(0, big_k + 1)), sorted(rng.uniform(0.05, 1.0, big_k), reverse=True))
+                for _ in range(b)]
+        context = int(rng.integers(0, 20000))
+
+        def goodput(ks):
+            return _expected(reqs, ks) / cost.step_seconds(b, sum(ks), context, max(ks))
+
+        ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context)
+        best = max(goodput(list(alt)) for alt in itertools.product(*[range(r.limit + 1) for r in reqs]))
+        assert all(0 <= k <= r.limit for k, r in zip(ks, reqs))
+        assert goodput(ks) >= best * (1 - 1e-12), (trial, ks)
+
+
+def test_deep_drafts_for_a_few_are_dropped_when_depth_is_what_costs():
+    # per-slot cost is tiny, but each extra head costs 3 ms: one sequential chain for everyone
+    pol = DynamicPolicy(CostModel(verify=(5e-3, 1e-6), propose=(0.0, 1e-6, 3e-3)), probe_every=0)
+    reqs = [PolicyInput(4, [0.95, 0.9, 0.9, 0.9])] + [PolicyInput(4, [0.7, 0.5, 0.4, 0.3])] * 7
+    ks = pol.choose(reqs, base_tokens=8, token_budget=100)
+    assert max(ks) == 1 and sum(ks) == 8
+
+
+class _FakeStages:
+    """An executor whose stages cost a known function of the call, on a fake clock: calibration
+    must recover that function. The target's draft rows cost 0.5 ms each up to batch 4 (a CPU's
+    small matrix products) and 0.1 ms beyond; the context costs 1 us per slot read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def clock(self):
+        return self.now
+
+    def submit(self, stage, call):
+        from concurrent.futures import Future
+
+        if stage == "target":
+            b = len(call.query_lens)
+            q = int(call.query_lens.max())
+            ctx = int(call.positions.max()) + 1
+            if q > 64:  # a prompt chunk
+                t = 1e-3 + 4e-5 * q + 1e-6 * ctx
+            else:
+                t = 1e-3 + 3e-4 * b + (5e-4 if b <= 4 else 1e-4) * b * (q - 1) + 1e-6 * b * ctx
+        else:  # mtp
+            k = int(call.num_tokens.max())
+            t = 2e-4 * k + 5e-5 * len(call.num_tokens) * k
+        self.now += t
+        f = Future()
+        f.set_result(None)
+        return f
+
+
+def _calibrated(max_num_seqs=64):
+    from lightspec_core.calibrate import ProfileSpec, calibrate
+    from lightspec_core.config import SpecMethod
+
+    stages = _FakeStages()
+    spec = ProfileSpec(SpecMethod.MTP, 4, 16, 1024, max_num_seqs, 2048, 1024, 8)
+    verify, propose = calibrate(stages, spec, clock=stages.clock)
+    return CostModel(verify, propose, overhead=0.0)
+
+
+def test_calibration_recovers_the_stage_costs_against_batch_size():
+    cost = _calibrated()
+    v, p = cost.verify, cost.propose
+    assert v.sizes.tolist() == [1, 2, 4, 8, 16, 32, 64]
+    assert abs(v.draft_cost(1) - 5e-4) < 1e-9 and abs(v.draft_cost(64) - 1e-4) < 1e-9
+    assert abs(v.per_context - 1e-6) < 1e-12
+    assert abs(v.per_prefill - 4e-5) < 2e-6
+    for b, ctx in ((1, 300), (16, 5000), (64, 20000), (100, 30000)):  # 100: beyond the profile
+        truth = 1e-3 + 3e-4 * b + 1e-6 * ctx
+        assert abs(v.predict(b, 0, ctx) - truth) < 1e-6
+    assert abs(p.per_depth - 2e-4) < 1e-9 and abs(p.per_draft - 5e-5) < 1e-9 and p.fixed < 1e-9
+
+
+def test_a_lone_request_drafts_less_than_each_request_of_a_full_batch():
+    """With the calibrated CPU-like profile a draft costs 0.5 ms at batch 1 against a 1.6 ms step,
+    but 0.1 ms at batch 64 against a 40 ms step: the same acceptance earns fewer drafts alone."""
+    pol = DynamicPolicy(_calibrated(), probe_every=0)
+    alone = pol.choose([PolicyInput(4, [0.7] * 4)], base_tokens=1, token_budget=1024, context=300, requests=1)
+    full = pol.choose([PolicyInput(4, [0.7] * 4)] * 64, base_tokens=64, token_budget=1024, context=64 * 300,
+                      requests=64)
+    assert 1 <= alone[0] < 4
+    assert min(full) > alone[0]
+
+
+def test_measured_stage_time_rescales_the_profile():
+    cost = _calibrated()
+    slot, step = cost.per_slot(16), cost.step_seconds(16, 0, 16 * 300)
+    for _ in range(200):  # the machine got 1.5x slower than profiled
+        cost.observe_verify(16, 32, 16 * 300, 0, 1.5 * cost.verify.predict(16, 32, 16 * 300))
+        cost.observe_propose(32, 2, 1.5 * cost.propose.predict(32, 2))
+    assert abs(cost.per_slot(16) / slot - 1.5) < 0.01
+    assert abs(cost.step_seconds(16, 0, 16 * 300) / step - 1.5) < 0.01
+    cost.observe_verify(16, 32, 16 * 300, 0, 100.0)  # one wild outlier moves the scale by at most 5 %
+    assert cost.verify_scale < 1.5 * 1.16
+
+
+def test_numpy_and_plain_python_allocations_agree():
+    """Large batches take the vectorised path, small ones the plain-Python one: same optimum."""
+    rng = np.random.default_rng(4)
+    for trial in range(30):
+        b = int(rng.integers(17, 80))
+        cost = CostModel(verify=(rng.uniform(1e-3, 2e-2), rng.uniform(1e-5, 5e-4), 1e-6),
+                         propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 1e-4), rng.uniform(0, 1e-3)))
+        pol = DynamicPolicy(cost, probe_every=0)
+        reqs = [PolicyInput(int(rng.integers(0, 5)), rng.uniform(0.05, 1.0, 4).round(2).tolist()) for _ in range(b)]
+        budget = b + int(rng.integers(0, 4 * b))
+        vec = pol.choose(reqs, base_tokens=b, token_budget=budget, context=b * 300)
+        t0 = cost.step_seconds(b, 0, b * 300)
+        small = pol._allocate_small(reqs, [r.limit for r in reqs], budget - b, float(b), t0, t0 + cost.propose_fixed,
+                                    cost.per_slot(b), cost.per_depth)
+        assert vec == small, trial

@@ -85,3 +85,38 @@ def test_paged_equals_contiguous_for_random_block_assignments(smoke_model):
         with torch.no_grad():
             contiguous = torch.cat([model.forward_train(s.unsqueeze(0))[0] for s in seqs])
         torch.testing.assert_close(paged, contiguous, atol=1e-5, rtol=0)
+
+
+def _mtp_call(hidden, last_ids, ks, temps, uniforms):
+    from lightspec_core.stages import MTPCall
+
+    b = len(ks)
+    return MTPCall(
+        hidden=hidden, last_ids=last_ids, num_tokens=np.asarray(ks, np.int32),
+        temperature=np.asarray(temps, np.float32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
+        uniforms=uniforms, return_probs=np.array([any(t > 0 for t in temps)]),
+    )
+
+
+def test_mtp_rows_with_different_depths_equal_each_row_alone(default_model):
+    """The MTP stage runs head j only on rows that asked for more than j drafts; a row's drafts
+    and proposal distribution must not depend on which other rows share the call."""
+    from lightspec_core.stages import MTPRunner
+
+    runner = MTPRunner(default_model / "target", default_model / "mtp")
+    rng = np.random.default_rng(0)
+    b, big_k = 6, runner.num_heads
+    hidden = rng.standard_normal((b, runner.target.config.hidden_size)).astype(np.float32)
+    last = rng.integers(3, runner.target.config.vocab_size, b).astype(np.int64)
+    ks = [0, 4, 1, 3, 0, 2]
+    temps = [0.0, 1.0, 0.0, 0.8, 1.0, 1.0]
+    u = rng.random((b, big_k)).astype(np.float32)
+    res = runner.execute(_mtp_call(hidden, last, ks, temps, u))
+    for r in range(b):
+        alone = runner.execute(_mtp_call(hidden[r : r + 1], last[r : r + 1], ks[r : r + 1], temps[r : r + 1], u[r : r + 1]))
+        assert res.draft_ids[r].tolist() == alone.draft_ids[0].tolist()
+        assert (res.draft_ids[r, ks[r]:] == -1).all() and (res.draft_ids[r, : ks[r]] >= 0).all()
+        if temps[r] > 0:
+            np.testing.assert_allclose(res.draft_probs[r], alone.draft_probs[0], atol=1e-5)
+            assert np.allclose(res.draft_probs[r, : ks[r]].sum(-1), 1.0, atol=1e-4)
+            assert not res.draft_probs[r, ks[r]:].any()
