@@ -149,6 +149,7 @@ def write_bench_repository(
 class Prompt:
     text: str
     kind: str = "code"  # code | shuffled | file
+    temperature: float | None = None  # None: the run's --temperature
 
 
 def load_tokenizer(model_dir: str | Path | None):
@@ -217,10 +218,17 @@ def shuffle_words(text: str, rng: random.Random) -> str:
 
 
 def default_prompts(
-    n: int, tokenizer=None, max_prompt_tokens: int = 200, workload: str = "code", seed: int = 0
+    n: int, tokenizer=None, max_prompt_tokens: int = 200, workload: str = "code", seed: int = 0,
+    mixed_temperature: float | None = 1.0,
 ) -> list[Prompt]:
     """Held-out code prompts (``workload="code"``), or for ``"mixed"`` alternately a code prompt and
-    a shuffled-words prompt (even indices code, odd indices shuffled)."""
+    a low-predictability request (even indices code, odd indices shuffled words sampled at
+    ``mixed_temperature``; ``None``: the run's temperature). Shuffling the prompt alone does not make
+    a request hard to speculate on: a small model's greedy continuation of any prompt soon repeats
+    itself, and on the embedded model every method accepts about as much after a shuffled prompt as
+    after code. Sampling at temperature 1, as a chat request would, drops n-gram lookup's first-draft
+    acceptance from about 0.64 to 0.16; the MTP heads and the draft model, which learned the
+    target's own distribution, keep theirs."""
     if workload not in ("code", "mixed"):
         raise ValueError(f"workload={workload!r}: expected code or mixed")
     windows = _code_windows(n, seed, max_chars=4 * max_prompt_tokens)
@@ -228,23 +236,26 @@ def default_prompts(
     out = []
     for i, w in enumerate(windows):
         if workload == "mixed" and i % 2 == 1:
-            out.append(Prompt(trim(shuffle_words(w, rng), max_prompt_tokens, tokenizer, " "), "shuffled"))
+            out.append(Prompt(trim(shuffle_words(w, rng), max_prompt_tokens, tokenizer, " "), "shuffled",
+                              mixed_temperature))
         else:
             out.append(Prompt(trim(w, max_prompt_tokens, tokenizer), "code"))
     return out
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """JSON lines with a ``prompt`` field (and an optional ``kind``)."""
+    """JSON lines with a ``prompt`` field (and optional ``kind`` and ``temperature``)."""
     out = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            out.append(Prompt(str(obj["prompt"]), str(obj.get("kind", "file"))))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise SystemExit(f"--prompts {path}:{lineno}: expected a JSON object with a 'prompt' field") from None
+            temp = obj.get("temperature")
+            out.append(Prompt(str(obj["prompt"]), str(obj.get("kind", "file")), None if temp is None else float(temp)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            raise SystemExit(f"--prompts {path}:{lineno}: expected a JSON object with a 'prompt' field "
+                             "(and a numeric 'temperature' if any)") from None
     if not out:
         raise SystemExit(f"--prompts {path}: no prompts")
     return out
@@ -785,16 +796,18 @@ class BenchPlan:
         return max(least, per * load.concurrency)
 
     def requests_for(self, n: int, offset: int = 0) -> list[Request]:
-        return [
-            Request(self.prompts[(offset + i) % len(self.prompts)], self.max_tokens, self.temperature) for i in range(n)
-        ]
+        out = []
+        for i in range(n):
+            p = self.prompts[(offset + i) % len(self.prompts)]
+            out.append(Request(p, self.max_tokens, self.temperature if p.temperature is None else p.temperature))
+        return out
 
 
 def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan: BenchPlan, log=print) -> dict:
     """One configuration at one load level: warm up, scrape, run, wait for the metrics, scrape."""
     model = cfg.model_name
     if plan.warmup:
-        warm = [Request(p.prompt, min(16, plan.max_tokens), plan.temperature) for p in plan.requests_for(plan.warmup)]
+        warm = [Request(r.prompt, min(16, plan.max_tokens), r.temperature) for r in plan.requests_for(plan.warmup)]
         run_closed_loop(url, model, warm, min(2, plan.warmup), plan.timeout_s)
     before = scrape(metrics_url)
     if before is not None:  # settle: the warm-up's counters must be in before the baseline is taken
@@ -901,8 +914,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         choices=("code", "mixed"),
         default="code",
-        help="mixed: half code prompts, half shuffled-words prompts",
+        help="mixed: half code prompts, half shuffled-words prompts sampled at --mixed-temperature",
     )
+    p.add_argument("--mixed-temperature", type=float, default=1.0,
+                   help="temperature of the shuffled half of --workload mixed (default 1.0; <0: --temperature)")
     p.add_argument("--num-prompts", type=int, help="distinct default prompts (default 64; 16 with --quick)")
     p.add_argument("--prompt-tokens", type=int, default=200, help="max tokens of a default prompt")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -965,7 +980,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(args.prompts)
     else:
         prompts = default_prompts(
-            args.num_prompts or quick.get("num_prompts", 64), tokenizer, args.prompt_tokens, args.workload, args.seed
+            args.num_prompts or quick.get("num_prompts", 64), tokenizer, args.prompt_tokens, args.workload, args.seed,
+            None if args.mixed_temperature < 0 else args.mixed_temperature,
         )
     overrides = _overrides(args, prompts, tokenizer, loads)
     if args.write_repository:

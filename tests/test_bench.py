@@ -59,6 +59,9 @@ def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp
 def test_mixed_workload_alternates_code_and_shuffled_prompts_deterministically():
     prompts = bench.default_prompts(6, None, max_prompt_tokens=60, workload="mixed", seed=3)
     assert [p.kind for p in prompts] == ["code", "shuffled"] * 3
+    assert [p.temperature for p in prompts] == [None, 1.0] * 3  # the shuffled half is sampled
+    plan = bench.BenchPlan([], [], prompts, max_tokens=8, requests=None, temperature=0.3)
+    assert [r.temperature for r in plan.requests_for(4)] == [0.3, 1.0, 0.3, 1.0]
     assert prompts == bench.default_prompts(6, None, max_prompt_tokens=60, workload="mixed", seed=3)
     for p in prompts:
         assert 0 < len(p.text) <= 3 * 60  # trimmed (3 characters per token without a tokenizer)
@@ -84,6 +87,12 @@ def test_prompts_file_needs_a_prompt_field(tmp_path):
     bad.write_text('{"text": "x"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:1"):
         bench.read_prompts(bad)
+    temps = tmp_path / "t.jsonl"
+    temps.write_text('{"prompt": "a", "temperature": 0.7}\n{"prompt": "b"}\n')
+    assert [p.temperature for p in bench.read_prompts(temps)] == [0.7, None]
+    temps.write_text('{"prompt": "a", "temperature": "hot"}\n')
+    with pytest.raises(SystemExit, match="t.jsonl:1.*temperature"):
+        bench.read_prompts(temps)
 
 
 # ---- metrics arithmetic -------------------------------------------------------------------------------------
