@@ -364,12 +364,19 @@ class MTPHeads(nn.Module):
     Head 1 takes the target's final hidden state at position t and the embedding of the token just
     produced (t+1) and predicts token t+2; head i+1 takes head i's state and the embedding of head
     i's draft token. Stateless: no KV cache of their own.
+
+    ``draft_vocab`` (optional, ``draft_vocab.json``): the token ids the heads may propose, the most
+    frequent ones of the training data (FR-Spec's frequency-ranked draft vocabulary). The LM head is
+    the largest product of a head's step; restricted to 1024 of 4096 ids it costs a quarter, and
+    verification by the target keeps the output exact (sampling: the proposal distribution is the one
+    over this subset, which rejection sampling allows).
     """
 
-    def __init__(self, cfg: MTPConfig):
+    def __init__(self, cfg: MTPConfig, draft_vocab: list[int] | None = None):
         super().__init__()
         self.config = cfg
         self.heads = nn.ModuleList(MTPHead(cfg) for _ in range(cfg.num_heads))
+        self.draft_vocab = sorted(set(draft_vocab)) if draft_vocab else None
         self.apply(init_weights)
 
     def save(self, mtp_dir: str | Path) -> None:
@@ -379,14 +386,25 @@ class MTPHeads(nn.Module):
         mtp_dir.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(mtp_dir / "mtp.safetensors"))
         (mtp_dir / "mtp_config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        if self.draft_vocab:
+            (mtp_dir / "draft_vocab.json").write_text(json.dumps({"token_ids": self.draft_vocab}) + "\n")
 
     @classmethod
     def load(cls, mtp_dir: str | Path) -> MTPHeads:
         from safetensors.torch import load_file
 
-        m = cls(MTPConfig.from_dir(mtp_dir))
+        vocab_file = Path(mtp_dir) / "draft_vocab.json"
+        vocab = json.loads(vocab_file.read_text())["token_ids"] if vocab_file.exists() else None
+        m = cls(MTPConfig.from_dir(mtp_dir), vocab)
         m.load_state_dict(load_file(str(Path(mtp_dir) / "mtp.safetensors")))
         return m.eval()
+
+
+def frequent_tokens(ids: torch.Tensor, vocab_size: int, n: int) -> list[int]:
+    """The ``n`` most frequent token ids of a corpus (ties: lower id first)."""
+    counts = torch.bincount(ids.to(torch.int64).flatten(), minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+    return sorted(order[:n])
 
 
 def cosine_lr(step_frac: float, peak: float, warmup_frac: float = 0.03) -> float:

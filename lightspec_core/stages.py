@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .model import LlamaModel, MTPHeads, PagedBatch
 from .sampling import probs_from_logits, sample_with_uniforms
@@ -122,6 +123,13 @@ class MTPRunner:
         self.heads = MTPHeads.load(mtp_dir).to(device)
         self.num_heads = self.heads.config.num_heads
         self.device = device
+        weight = self.target.lm_head.weight
+        self.vocab_size = weight.shape[0]
+        if self.heads.draft_vocab:  # propose from the frequent tokens only (see MTPHeads)
+            self.vocab_ids = torch.tensor(self.heads.draft_vocab, dtype=torch.int64, device=device)
+            self.head_weight = weight.detach()[self.vocab_ids].contiguous()
+        else:
+            self.vocab_ids, self.head_weight = None, weight.detach()
 
     @torch.inference_mode()
     def execute(self, call: MTPCall) -> MTPResult:
@@ -158,13 +166,21 @@ class MTPRunner:
                     state, tok, temp, top_k, top_p, u = (t.index_select(0, sel)
                                                          for t in (state, tok, temp, top_k, top_p, u))
             state, out = self.heads.heads[i](state, emb(tok))
-            logits = self.target.lm_head(out)
-            tok = logits.argmax(-1)
+            logits = F.linear(out, self.head_weight)  # over the draft vocabulary
+            pick = logits.argmax(-1)
             greedy = temp == 0
+            q = None
             if want_probs and not bool(greedy.all()):
                 q = probs_from_logits(logits, temp, top_k, top_p)
-                tok = torch.where(greedy, tok, sample_with_uniforms(q, u[:, i]))
-                probs_out[rows, i] = q.cpu()
+                pick = torch.where(greedy, pick, sample_with_uniforms(q, u[:, i]))
+            tok = pick if self.vocab_ids is None else self.vocab_ids[pick]
+            if q is not None:
+                if self.vocab_ids is None:
+                    probs_out[rows, i] = q.cpu()
+                else:
+                    full = torch.zeros((len(rows), v), dtype=torch.float32)
+                    full[:, self.vocab_ids.cpu()] = q.float().cpu()
+                    probs_out[rows, i] = full
             ids[rows, i] = tok.cpu()
         return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy())
 

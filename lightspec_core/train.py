@@ -5,7 +5,8 @@
 
 Produces ``OUT/target`` (Llama checkpoint, HF layout + tokenizer.json), ``OUT/mtp`` (K MTP heads trained
 with the target frozen, distilled from the target's own next-token distributions, which is what
-verification accepts against), ``OUT/draft`` (a 1-layer Llama with the same tokenizer) and
+verification accepts against, plus ``draft_vocab.json``, the 1024 most frequent training token ids
+the heads propose from), ``OUT/draft`` (a 1-layer Llama with the same tokenizer) and
 ``OUT/train_report.json`` (sizes, times, held-out loss and per-head greedy acceptance).
 
 Data: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` except ``site-packages``; files with a
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .model import LlamaConfig, LlamaModel, MTPConfig, MTPHeads, cosine_lr, num_params
+from .model import LlamaConfig, LlamaModel, MTPConfig, MTPHeads, cosine_lr, frequent_tokens, num_params
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
@@ -211,7 +212,7 @@ PRESETS = {
         draft=dict(hidden_size=128, intermediate_size=352, num_hidden_layers=1, num_attention_heads=4,
                    num_key_value_heads=2),
         mtp_inter=512, seq=256, batch=32, target_min=40.0, mtp_min=12.0, draft_min=6.0,
-        steps=10**9, max_files=None, eval_batches=20,
+        steps=10**9, max_files=None, eval_batches=20, draft_vocab=1024,
     ),
     "smoke": dict(
         vocab=512,
@@ -220,7 +221,7 @@ PRESETS = {
         draft=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1),
         mtp_inter=64, seq=64, batch=4, target_min=1.0, mtp_min=0.5, draft_min=0.5,
-        steps=20, max_files=60, eval_batches=2,
+        steps=20, max_files=60, eval_batches=2, draft_vocab=256,
     ),
 }
 
@@ -235,8 +236,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-vocab", type=int, help="MTP draft vocabulary: most frequent ids (0: all; default 1024)")
     a = ap.parse_args(argv)
     pr = dict(PRESETS["smoke" if a.smoke else "full"])
+    if a.draft_vocab is not None:
+        pr["draft_vocab"] = a.draft_vocab
     for key, name in (("target_min", "target_minutes"), ("mtp_min", "mtp_minutes"), ("draft_min", "draft_minutes")):
         if getattr(a, name) is not None:
             pr[key] = getattr(a, name)
@@ -267,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     mtp = MTPHeads(MTPConfig(num_heads=a.num_heads, hidden_size=tcfg.hidden_size, intermediate_size=pr["mtp_inter"]))
     log(f"mtp heads: {num_params(mtp)} params")
     m_steps, m_time = train_mtp(mtp, target, train_data, pr["batch"] // 2, pr["seq"], pr["mtp_min"], 2e-3, pr["steps"], log, a.seed + 1)
+    if 0 < pr["draft_vocab"] < vocab:
+        mtp.draft_vocab = frequent_tokens(train_data, vocab, pr["draft_vocab"])
 
     dcfg = LlamaConfig(vocab_size=vocab, **pr["draft"])
     draft = LlamaModel(dcfg)
