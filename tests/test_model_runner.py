@@ -120,3 +120,10 @@ def test_mtp_rows_with_different_depths_equal_each_row_alone(default_model):
             np.testing.assert_allclose(res.draft_probs[r], alone.draft_probs[0], atol=1e-5)
             assert np.allclose(res.draft_probs[r, : ks[r]].sum(-1), 1.0, atol=1e-4)
             assert not res.draft_probs[r, ks[r]:].any()
+    # the default heads propose from their frequency-ranked draft vocabulary only
+    vocab = runner.heads.draft_vocab
+    assert vocab and len(vocab) == 1024
+    outside = np.setdiff1d(np.arange(runner.vocab_size), vocab)
+    drafted = res.draft_ids[res.draft_ids >= 0]
+    assert len(drafted) == sum(ks) and np.isin(drafted, vocab).all()
+    assert not res.draft_probs[:, :, outside].any()
