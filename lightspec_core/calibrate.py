@@ -164,11 +164,10 @@ def calibrate(executor: Executor, spec: ProfileSpec,
     if proposer:
         rows = []
         for b in sizes:
+            # a draft model proposes with k sequential steps of one token per request
+            step = timer("draft", _target_call(b, 0, ctx0, table, False)) if proposer == "draft" else 0.0
             for k in sorted({1, big_k}):
-                if spec.method is SpecMethod.MTP:
-                    t = timer("mtp", _mtp_call(b, k, big_k, spec.hidden_size))
-                else:  # a draft model proposes with k sequential steps of one token per request
-                    t = k * timer("draft", _target_call(b, 0, ctx0, table, False))
+                t = timer("mtp", _mtp_call(b, k, big_k, spec.hidden_size)) if proposer == "mtp" else k * step
                 rows.append((1.0, b * k, k, t))
         arr = np.array(rows)
         p0, p_draft, p_depth = _fit_nonneg(arr[:, :3], arr[:, 3])

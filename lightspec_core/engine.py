@@ -261,7 +261,7 @@ class LLMEngine:
         fut = self.executor.submit("target", call)
         fut.add_done_callback(_stamp_done)
         return InFlight(plan, props, fut, out_rows, t_submit, len(ids), len(qlens) * (max(pos) + 1),
-                        plan.prefill_tokens, len(ids) - sum(it.num_new for it in plan.items))
+                        plan.prefill_tokens, num_drafts)
 
     # ---- complete: verify, update, emit --------------------------------------------------------
     def _complete(self, f: InFlight) -> list[RequestDelta]:

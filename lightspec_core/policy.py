@@ -41,16 +41,16 @@ class VerifyCost:
 
     def __init__(self, sizes, fixed, per_draft, per_context: float = 0.0, per_prefill: float = 0.0):
         self.sizes = np.asarray(sizes, dtype=np.float64)
-        self.fixed = np.asarray(fixed, dtype=np.float64)
-        self.per_draft = np.maximum(np.asarray(per_draft, dtype=np.float64), 1e-7)
-        if not (len(self.sizes) == len(self.fixed) == len(self.per_draft) >= 1):
+        # plain lists for the per-step lookups (numpy's call overhead would dominate them)
+        self._x = self.sizes.tolist()
+        self._fixed = [float(f) for f in fixed]
+        self._per_draft = [max(float(c), 1e-7) for c in per_draft]
+        if not (len(self._x) == len(self._fixed) == len(self._per_draft) >= 1):
             raise ValueError("VerifyCost: sizes, fixed and per_draft need the same, non-zero length")
         if (np.diff(self.sizes) <= 0).any():
             raise ValueError("VerifyCost: sizes must increase")
         self.per_context = max(float(per_context), 0.0)
         self.per_prefill = max(float(per_prefill), 0.0)
-        self._x = self.sizes.tolist()
-        self._fixed, self._per_draft = self.fixed.tolist(), self.per_draft.tolist()
 
     @classmethod
     def linear(cls, v0: float, v_tok: float, v_ctx: float = 0.0, v_pre: float = 0.0) -> VerifyCost:
@@ -58,8 +58,7 @@ class VerifyCost:
         return cls([1, 2], [v0 + v_tok, v0 + 2 * v_tok], [v_tok, v_tok], v_ctx, v_pre)
 
     def _at(self, y: list[float], b: float) -> float:
-        """Piecewise-linear in B through the profiled sizes, extended along the end segments.
-        (Plain Python: the policy calls this every step, and numpy's call overhead would dominate.)"""
+        """Piecewise-linear in B through the profiled sizes, extended along the end segments."""
         x = self._x
         if len(x) == 1:
             return y[0]

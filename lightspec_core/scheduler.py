@@ -40,11 +40,7 @@ class ScheduledSeq:
 class StepPlan:
     items: list[ScheduledSeq] = field(default_factory=list)
     decision_seconds: float = 0.0
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Tokens of prompt chunks (requests not yet decoding); the rest are decode tokens."""
-        return sum(it.num_new for it in self.items if not it.seq.is_decoding)
+    prefill_tokens: int = 0  # tokens of prompt chunks (requests not yet decoding); the rest decode
 
     @property
     def ks(self) -> list[int]:
@@ -99,6 +95,7 @@ class Scheduler:
                 in_plan.add(seq.request_id)
                 budget -= item.num_new
         budget = self._admit(plan, in_plan, budget, max_seqs)
+        plan.prefill_tokens = sum(it.num_new for it in plan.items if not it.seq.is_decoding)
         self._choose_drafts(plan, budget)
         if not plan.items:
             return None

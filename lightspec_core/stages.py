@@ -145,7 +145,7 @@ class MTPRunner:
             raise ValueError(f"num_tokens: {kmax} draft tokens requested but the model has {self.num_heads} MTP heads")
         want_probs = bool(call.return_probs[0])
         ids = torch.full((b, big_k), -1, dtype=torch.int64)
-        v = self.target.config.vocab_size
+        v = self.vocab_size
         probs_out = torch.zeros((b, big_k, v) if want_probs else (0, big_k, v), dtype=torch.float32)
         if kmax == 0:
             return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy())
