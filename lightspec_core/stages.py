@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .model import LlamaModel, MTPHeads, PagedBatch
+from .model import FoldedMTPHead, LlamaModel, MTPHeads, PagedBatch
 from .sampling import probs_from_logits, sample_with_uniforms
 
 
@@ -31,14 +31,14 @@ class ModelCall:
     query_lens: np.ndarray  # int32 [B]
     block_tables: np.ndarray  # int32 [B, max_blocks]
     sample_indices: np.ndarray  # int64 [M] rows whose outputs are returned
-    return_logits: np.ndarray  # bool [1]  False: only top-1 ids (all-greedy batch)
+    return_logits: np.ndarray  # bool [M] per sample row: return its logits (sampled requests); [1]: all or none
     return_hidden: np.ndarray  # bool [1]  True: final hidden states (for MTP heads)
 
 
 @dataclass
 class ModelResult:
     top1_ids: np.ndarray  # int64 [M]
-    logits: np.ndarray  # fp32 [M, V], or [0, V] when not requested
+    logits: np.ndarray  # fp32 [R, V]: the R rows marked in return_logits, in order ([0, V]: none)
     hidden: np.ndarray  # fp32 [M, H], or [0, H] when not requested
 
 
@@ -108,9 +108,23 @@ class ModelRunner:
         h, v = self.config.hidden_size, self.config.vocab_size
         return ModelResult(
             top1_ids=logits.argmax(-1).cpu().numpy(),
-            logits=logits.float().cpu().numpy() if call.return_logits[0] else np.zeros((0, v), np.float32),
+            logits=_marked_rows(logits, call.return_logits, "return_logits").float().cpu().numpy(),
             hidden=hidden.float().cpu().numpy() if call.return_hidden[0] else np.zeros((0, h), np.float32),
         )
+
+
+def _marked_rows(rows: torch.Tensor, mask: np.ndarray, name: str) -> torch.Tensor:
+    """The rows of ``rows`` [M, ...] whose flag in ``mask`` ([M], or [1] for all/none) is set.
+    Only sampled requests need logits: a mixed batch sends theirs, not all M rows of V floats."""
+    mask = np.asarray(mask, bool).reshape(-1)
+    m = rows.shape[0]
+    if mask.size == 1 and m != 1:
+        mask = np.full(m, bool(mask[0]))
+    if mask.size != m:
+        raise ValueError(f"{name}: {mask.size} flags for {m} sample rows")
+    if mask.all():
+        return rows
+    return rows[torch.from_numpy(np.flatnonzero(mask)).to(rows.device)]
 
 
 class MTPRunner:
@@ -130,6 +144,8 @@ class MTPRunner:
             self.head_weight = weight.detach()[self.vocab_ids].contiguous()
         else:
             self.vocab_ids, self.head_weight = None, weight.detach()
+        embed = self.target.model.embed_tokens.weight
+        self.folded = [FoldedMTPHead(hd, embed, self.head_weight) for hd in self.heads.heads]
 
     @torch.inference_mode()
     def execute(self, call: MTPCall) -> MTPResult:
@@ -156,7 +172,7 @@ class MTPRunner:
         top_k = torch.from_numpy(np.asarray(call.top_k, np.int64)[rows]).to(dev)
         top_p = torch.from_numpy(np.asarray(call.top_p, np.float32)[rows]).to(dev)
         u = torch.from_numpy(np.asarray(call.uniforms, np.float32)[rows]).to(dev)
-        emb = self.target.model.embed_tokens
+        all_greedy = not want_probs or not bool((temp > 0).any())
         for i in range(kmax):
             if i:  # drop the rows whose drafts are complete (rows stay in input order)
                 keep = ks[rows] > i
@@ -165,12 +181,10 @@ class MTPRunner:
                     sel = torch.from_numpy(np.flatnonzero(keep)).to(dev)
                     state, tok, temp, top_k, top_p, u = (t.index_select(0, sel)
                                                          for t in (state, tok, temp, top_k, top_p, u))
-            state, out = self.heads.heads[i](state, emb(tok))
-            logits = F.linear(out, self.head_weight)  # over the draft vocabulary
+            state, logits = self.folded[i](state, tok)  # logits over the draft vocabulary
             pick = logits.argmax(-1)
-            greedy = temp == 0
             q = None
-            if want_probs and not bool(greedy.all()):
+            if not all_greedy and not bool((greedy := temp == 0).all()):
                 q = probs_from_logits(logits, temp, top_k, top_p)
                 pick = torch.where(greedy, pick, sample_with_uniforms(q, u[:, i]))
             tok = pick if self.vocab_ids is None else self.vocab_ids[pick]

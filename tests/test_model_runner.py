@@ -60,6 +60,30 @@ def test_runner_matches_transformers_on_mixed_batch_and_after_rollback(which, re
     np.testing.assert_allclose(res.logits, _hf_logits(hf, seq)[14:], atol=1e-4, rtol=0)
 
 
+def test_runner_returns_logits_of_the_marked_rows_only(smoke_model):
+    """A mixed batch marks the sample rows of its sampled requests: exactly those rows' logits come
+    back, in order (greedy rows need only their top-1 id); a flag count that does not match the
+    sample rows is an error naming the tensor."""
+    runner = ModelRunner(smoke_model / "target", num_blocks=16, block_size=4)
+    rng = np.random.default_rng(2)
+    ids = rng.integers(3, runner.config.vocab_size, 9).astype(np.int64)
+
+    def call(flags):
+        return runner.execute(ModelCall(ids, np.arange(9, dtype=np.int64), np.array([9], np.int32),
+                                        np.array([[0, 1, 2]], np.int32), np.arange(9, dtype=np.int64),
+                                        np.array(flags), np.array([False])))
+
+    full = call([True])
+    mask = [True, False, False, True, True, False, True, False, False]
+    part = call(mask)
+    assert part.logits.shape == (4, runner.config.vocab_size)
+    np.testing.assert_allclose(part.logits, full.logits[np.flatnonzero(mask)], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(part.top1_ids, full.top1_ids)
+    assert call([False]).logits.shape == (0, runner.config.vocab_size)
+    with pytest.raises(ValueError, match="return_logits: 2 flags for 9 sample rows"):
+        call([True, False])
+
+
 def test_paged_equals_contiguous_for_random_block_assignments(smoke_model):
     model = LlamaModel.load(smoke_model / "target")
     vocab, bs = model.config.vocab_size, 4
@@ -127,3 +151,27 @@ def test_mtp_rows_with_different_depths_equal_each_row_alone(default_model):
     drafted = res.draft_ids[res.draft_ids >= 0]
     assert len(drafted) == sum(ks) and np.isin(drafted, vocab).all()
     assert not res.draft_probs[:, :, outside].any()
+
+
+def test_folded_mtp_heads_equal_the_trained_modules(default_model):
+    """The serving form of each MTP head (norm weights folded into the next matrix, the token half
+    of the input projection as a per-token table, fused gate/up) computes what the trained module
+    computes: same next state, same logits over the draft vocabulary, same greedy token."""
+    import torch.nn.functional as F
+
+    from lightspec_core.stages import MTPRunner
+
+    runner = MTPRunner(default_model / "target", default_model / "mtp")
+    emb = runner.target.model.embed_tokens
+    torch.manual_seed(0)
+    state = torch.randn(16, runner.target.config.hidden_size) * 3
+    tok = torch.randint(0, runner.vocab_size, (16,))
+    with torch.inference_mode():
+        for module, folded in zip(runner.heads.heads, runner.folded, strict=True):
+            ref_state, out = module(state, emb(tok))
+            ref_logits = F.linear(out, runner.head_weight)
+            got_state, got_logits = folded(state, tok)
+            torch.testing.assert_close(got_state, ref_state, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got_logits, ref_logits, atol=1e-4, rtol=1e-4)
+            assert torch.equal(got_logits.argmax(-1), ref_logits.argmax(-1))
+            state, tok = ref_state, runner.vocab_ids[ref_logits.argmax(-1)]
