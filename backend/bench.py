@@ -782,9 +782,9 @@ class BenchPlan:
     temperature: float = 0.0
     seed: int = 0
     timeout_s: float = 600.0
-    # (minimum, per unit of concurrency): max(8, 2 x C) requests per closed-loop run by default, so
+    # (minimum, per unit of concurrency): max(16, 2 x C) requests per closed-loop run by default, so
     # every worker sends several; rate runs get 8 s of arrivals (at least the minimum)
-    requests_rule: tuple[int, int] = (8, 2)
+    requests_rule: tuple[int, int] = (16, 2)
     repeats: int = 1
 
     def num_requests(self, load: Load) -> int:
@@ -905,7 +905,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--requests",
         type=int,
-        help="requests per run (default: max(8, 2 x concurrency), --quick max(16, 4 x C); rates: 8 s of arrivals)",
+        help="requests per run (default: max(16, 2 x concurrency), --quick max(16, 4 x C); rates: 8 s of arrivals)",
     )
     p.add_argument("--max-tokens", type=int, help="tokens per request (default 128; 32 with --quick)")
     p.add_argument("--max-draft-tokens", type=int, default=4, help="K for dynamic (default 4)")

@@ -30,7 +30,7 @@ STAGE_TENSORS: dict[type, list[TensorSpec]] = {
         TensorSpec("query_lens", "INT32", (-1,), optional=False),
         TensorSpec("block_tables", "INT32", (-1, -1), optional=False),
         TensorSpec("sample_indices", "INT64", (-1,), optional=False),
-        TensorSpec("return_logits", "BOOL", (1,), optional=False),
+        TensorSpec("return_logits", "BOOL", (-1,), optional=False),
         TensorSpec("return_hidden", "BOOL", (1,), optional=False),
     ],
     ModelResult: [
@@ -67,7 +67,7 @@ STAGE_PARAMS = {
 ORCHESTRATOR_PARAMS = (
     "speculation", "policy", "max_draft_tokens", "num_kv_blocks", "block_size", "max_num_seqs",
     "max_num_batched_tokens", "pipeline_depth", "metrics", "target_model", "mtp_model", "draft_model",
-    "model_dir", "mtp_dir", "draft_dir",
+    "model_dir", "mtp_dir", "draft_dir", "num_threads",
 )  # fmt: skip
 
 
@@ -82,6 +82,11 @@ def default_parameters() -> dict[str, str]:
             # MTP heads inside the orchestrator: one BLS round trip less per step, which on CPU beats
             # a separate stage process (README, Benchmarks); --set mtp_model=lightspec_mtp for a stage
             out[key] = LOCAL
+        elif key == "num_threads":
+            # The orchestrator's own torch work (MTP heads at mtp_model=local, rejection sampling) is
+            # many small kernels: a second intra-op thread barely speeds them up, and its spinning
+            # worker takes a core from the target stage's process. Stages keep torch's default.
+            out[key] = "1"
         elif key in ("target_model", "draft_model"):
             out[key] = next(d for p, d in STAGE_MODEL_PARAMS.values() if p == key)
         else:
@@ -142,7 +147,9 @@ def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]
         param, _ = STAGE_MODEL_PARAMS[role.value]
         if orch[param] == LOCAL:  # run inside the orchestrator: no stage model
             continue
-        stage_params = {k: orch.get(k, "") for k in STAGE_PARAMS[role] if k in orch or k in overrides}
+        # a stage's num_threads only from overrides: the orchestrator's default of 1 is its own
+        shared = {k: v for k, v in orch.items() if k != "num_threads" or k in overrides}
+        stage_params = {k: shared[k] for k in STAGE_PARAMS[role] if k in shared}
         out[orch[param]] = render_stage(role, orch[param], stage_params)
     return out
 

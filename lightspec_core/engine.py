@@ -68,6 +68,7 @@ class InFlight:
     proposals: list[Proposal]
     future: Future
     rows: list[list[int]]  # per plan item: rows of the target output to verify (empty: no sample)
+    logit_rows: list[list[int]]  # per plan item: its rows of the returned logits (sampled requests only)
     t_submit: float
     num_tokens: int
     context: int  # padded KV slots the target's attention reads: requests x longest context
@@ -233,6 +234,7 @@ class LLMEngine:
         pos: list[int] = []
         qlens: list[int] = []
         rows: list[list[int]] = []
+        flags: list[bool] = []  # per sample row: a sampled request's, whose logits must come back
         for it, pr in zip(plan.items, props):
             seq = it.seq
             drafts = pr.draft_ids[: it.k]
@@ -242,25 +244,28 @@ class LLMEngine:
             pos += range(it.start, it.start + len(toks))
             qlens.append(len(toks))
             rows.append(list(range(base + it.num_new - 1, base + len(toks))) if it.samples else [])
+            flags += [not seq.params.greedy] * len(rows[-1])
         bt = pack_block_tables(tables)
         sample_rows = [r for rr in rows for r in rr]
-        sampling = any(it.samples and not it.seq.params.greedy for it in plan.items)
         call = ModelCall(
             input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
             query_lens=np.array(qlens, np.int32), block_tables=bt,
             sample_indices=np.array(sample_rows, np.int64),
-            return_logits=np.array([sampling]),
+            return_logits=np.array(flags if any(flags) and not all(flags) else [any(flags)]),
             return_hidden=np.array([self.config.method is SpecMethod.MTP and self.config.speculative]),
         )
-        # rows relative to the returned (sampled) outputs
-        out_rows, n = [], 0
-        for rr in rows:
+        # rows relative to the returned (sampled) outputs, and to the returned logits
+        out_rows, logit_rows, n, m = [], [], 0, 0
+        for it, rr in zip(plan.items, rows):
             out_rows.append(list(range(n, n + len(rr))))
             n += len(rr)
+            sampled = bool(rr) and not it.seq.params.greedy
+            logit_rows.append(list(range(m, m + len(rr))) if sampled else [])
+            m += len(rr) if sampled else 0
         t_submit = time.perf_counter()
         fut = self.executor.submit("target", call)
         fut.add_done_callback(_stamp_done)
-        return InFlight(plan, props, fut, out_rows, t_submit, len(ids), len(qlens) * (max(pos) + 1),
+        return InFlight(plan, props, fut, out_rows, logit_rows, t_submit, len(ids), len(qlens) * (max(pos) + 1),
                         plan.prefill_tokens, num_drafts)
 
     # ---- complete: verify, update, emit --------------------------------------------------------
@@ -279,7 +284,8 @@ class LLMEngine:
         self._stage_seconds += service
         self.stats.counters["engine_steps_total"] += 1
         deltas = []
-        for it, pr, rows in zip(f.plan.items, f.proposals, f.rows):
+        probs = self._target_probs(f, res.logits) if len(res.logits) else None
+        for it, pr, rows, lrows in zip(f.plan.items, f.proposals, f.rows, f.logit_rows):
             seq = it.seq
             if seq.aborted or seq.status is Status.FINISHED:
                 if seq.aborted and seq.status is not Status.FINISHED:
@@ -295,7 +301,7 @@ class LLMEngine:
             if seq.params.greedy:
                 tokens = verify_greedy(drafts, res.top1_ids[rows].tolist())
             else:
-                p = self._target_probs(seq, res.logits[rows])
+                p = probs[lrows]
                 q = pr.q[: len(drafts)] if pr.q is not None else None
                 tokens = verify_rejection(drafts, q, p, seq.rng)
             accepted = len(tokens) - 1
@@ -317,12 +323,15 @@ class LLMEngine:
                 self.blocks.set_used(seq.request_id, seq.num_computed)
         return deltas
 
-    def _target_probs(self, seq: Sequence, logits: np.ndarray) -> np.ndarray:
-        n = logits.shape[0]
-        sp = seq.params
+    @staticmethod
+    def _target_probs(f: InFlight, logits: np.ndarray) -> np.ndarray:
+        """The target's distributions at every returned logits row, in one batched call (one per
+        request cost more than the verification itself on a mixed batch)."""
+        params = [it.seq.params for it, lr in zip(f.plan.items, f.logit_rows) for _ in lr]
         return probs_from_logits(
-            torch.from_numpy(logits), torch.full((n,), sp.temperature), torch.full((n,), sp.top_k, dtype=torch.int64),
-            torch.full((n,), sp.top_p),
+            torch.from_numpy(logits), torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
         ).numpy()
 
     def _append(self, seq: Sequence, tokens: list[int]) -> RequestDelta | None:

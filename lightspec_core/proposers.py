@@ -92,23 +92,26 @@ class DraftModelProposer:
         self.executor = executor
 
     def _pick(self, seqs, logits: np.ndarray, top1: np.ndarray) -> tuple[list[int], list[np.ndarray | None]]:
-        temp, top_k, top_p = _sampling_arrays(seqs)
-        if not (temp > 0).any():
+        """``logits``: the rows of the sampled requests only, in order."""
+        sampled = [s for s in seqs if not s.params.greedy]
+        if not sampled:
             return [int(t) for t in top1], [None] * len(seqs)
-        probs = probs_from_logits(torch.from_numpy(logits), torch.from_numpy(temp),
-                                  torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(top_p)).numpy()
+        temp, top_k, top_p = _sampling_arrays(sampled)
+        probs = iter(probs_from_logits(torch.from_numpy(logits), torch.from_numpy(temp),
+                                       torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(top_p)).numpy())
         toks, qs = [], []
-        for s, pr, t1 in zip(seqs, probs, top1):
+        for s, t1 in zip(seqs, top1):
             if s.params.greedy:
                 toks.append(int(t1))
                 qs.append(None)
             else:
+                pr = next(probs)
                 cdf = np.cumsum(pr, dtype=np.float64)
                 toks.append(min(int(np.searchsorted(cdf, s.rng.random() * cdf[-1], side="right")), len(pr) - 1))
                 qs.append(pr)
         return toks, qs
 
-    def _call(self, seqs, inputs: list[list[int]], starts: list[int], tables, want_logits: bool):
+    def _call(self, seqs, inputs: list[list[int]], starts: list[int], tables):
         ids = np.array([t for toks in inputs for t in toks], np.int64)
         pos = np.array([p for toks, s in zip(inputs, starts) for p in range(s, s + len(toks))], np.int64)
         qlens = np.array([len(t) for t in inputs], np.int32)
@@ -116,7 +119,7 @@ class DraftModelProposer:
         call = ModelCall(
             input_ids=ids, positions=pos, query_lens=qlens, block_tables=bt,
             sample_indices=(np.cumsum(qlens) - 1).astype(np.int64),
-            return_logits=np.array([want_logits]), return_hidden=np.array([False]),
+            return_logits=np.array([not s.params.greedy for s in seqs]), return_hidden=np.array([False]),
         )
         res = self.executor.submit("draft", call).result()
         return self._pick(seqs, res.logits, res.top1_ids)
@@ -127,13 +130,12 @@ class DraftModelProposer:
             return out
         sub = [seqs[i] for i in idx]
         sub_tables = [tables[i] for i in idx]
-        want = any(s.params.temperature > 0 for s in sub)
         drafts: list[list[int]] = [[] for _ in sub]
         qs: list[list[np.ndarray]] = [[] for _ in sub]
         # catch up: every unseen known token, sample after the newest one
         inputs = [s.token_ids[s.draft_computed:] for s in sub]
         starts = [s.draft_computed for s in sub]
-        toks, q = self._call(sub, inputs, starts, sub_tables, want)
+        toks, q = self._call(sub, inputs, starts, sub_tables)
         for r, s in enumerate(sub):
             s.draft_computed = s.num_tokens
             drafts[r].append(toks[r])
@@ -142,7 +144,7 @@ class DraftModelProposer:
             live = [r for r, i in enumerate(idx) if ks[i] > j]
             lsub = [sub[r] for r in live]
             toks, q = self._call(lsub, [[drafts[r][-1]] for r in live],
-                                 [sub[r].num_tokens + j - 1 for r in live], [sub_tables[r] for r in live], want)
+                                 [sub[r].num_tokens + j - 1 for r in live], [sub_tables[r] for r in live])
             for n, r in enumerate(live):
                 sub[r].draft_computed += 1
                 drafts[r].append(toks[n])

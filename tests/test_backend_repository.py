@@ -82,3 +82,15 @@ def test_overrides_reach_the_stages_that_use_them(tmp_path):
 def test_parameter_values_are_quoted(tmp_path):
     repo = write_model_repository(tmp_path, {"model_dir": 'we"ird\\path'})
     assert read_config_parameters(repo / "lightspec" / "config.pbtxt")["model_dir"] == 'we"ird\\path'
+
+
+def test_orchestrator_runs_one_torch_thread_and_stages_keep_the_default():
+    """The orchestrator's own torch work is small kernels (local MTP heads, rejection sampling): it
+    defaults to one intra-op thread, so no spinning worker of its takes a core from the target
+    stage; the stages keep torch's default unless ``num_threads`` is set for all models."""
+    repo = render_repository()
+    assert parse(repo["lightspec"]).parameters["num_threads"].string_value == "1"
+    assert "num_threads" not in parse(repo["lightspec_target"]).parameters
+    forced = render_repository({"num_threads": "2"})
+    assert parse(forced["lightspec"]).parameters["num_threads"].string_value == "2"
+    assert parse(forced["lightspec_target"]).parameters["num_threads"].string_value == "2"

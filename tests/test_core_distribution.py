@@ -46,8 +46,21 @@ def test_speculative_sampling_matches_target_distribution(default_model, method,
                                  max_num_seqs=128, max_num_batched_tokens=4096))
     prompt_ids = eng.tok.encode(PROMPT)
     n = 3000
-    outs = eng.generate([prompt_ids] * n, [SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k,
-                                                          seed=i, ignore_eos=True) for i in range(n)])
+    # Greedy requests share the batches (every 10th request): only the sampled rows' logits come
+    # back from the target, and the greedy ones must still follow the target's argmax.
+    params = []
+    for i in range(n):
+        if i % 10 == 0:
+            params.append(SamplingParams(max_tokens=3, ignore_eos=True))
+        params.append(SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=i, ignore_eos=True))
+    every = eng.generate([prompt_ids] * len(params), params)
+    outs = [o for o, p in zip(every, params) if not p.greedy]
+    greedy = [o.output_token_ids for o, p in zip(every, params) if p.greedy]
+    with torch.no_grad():
+        t1 = int(target.lm_head(target.forward_train(torch.tensor([prompt_ids]))[0, -1]).argmax())
+        t2 = int(target.lm_head(target.forward_train(torch.tensor([prompt_ids + [t1]]))[0, -1]).argmax())
+    assert len(outs) == n and len(greedy) == n // 10
+    assert all(g[:2] == [t1, t2] for g in greedy)
     assert sum(o.num_draft_tokens for o in outs) >= 100, "speculation must touch token 2"
     assert sum(o.num_accepted_tokens for o in outs) >= 20, "some drafts must be accepted"
     joint, rows, rest = exact_joint(target, prompt_ids, temperature, top_k)
