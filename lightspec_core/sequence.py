@@ -43,6 +43,7 @@ class Sequence:
         # speculation state
         self.last_hidden: np.ndarray | None = None  # target hidden at the last verified position
         self.draft_computed = 0  # tokens whose K/V the draft model holds
+        self.ngram_index = None  # the n-gram proposer's incremental index of token_ids (NgramIndex)
         self.warm = False  # a sampled step completed since (re)admission: proposers have their inputs
         self.num_draft = 0
         self.num_accepted = 0
