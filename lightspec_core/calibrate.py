@@ -3,7 +3,8 @@
 Like vLLM's profile run, before its first real step the engine times a small grid of synthetic steps
 on its own stages, through the same executor it serves with (so through BLS in Triton): the target
 at each batch size B in 1, 2, 4, ... ``max_num_seqs`` with one token per request and with K drafts
-each, one longer context, one prompt chunk, and the proposer at depth 1 and K. The dynamic policy
+each, one longer context, one prompt chunk, the largest step again with its logits returned (what a
+sampled request's row costs more), and the proposer at depth 1 and K. The dynamic policy
 plans with the fitted :class:`~lightspec_core.policy.VerifyCost` / ``ProposeCost``; measurement
 while serving then only rescales them (see ``CostModel``).
 
@@ -36,6 +37,7 @@ class ProfileSpec:
     max_model_len: int
     hidden_size: int
     reps: int = 3
+    vocab_size: int = 0  # for timing the target distribution of sampled rows (0: not timed)
 
 
 def profile_sizes(max_num_seqs: int) -> list[int]:
@@ -86,7 +88,7 @@ class _Timer:
         return best
 
 
-def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool) -> ModelCall:
+def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False) -> ModelCall:
     q = 1 + k
     return ModelCall(
         input_ids=np.full(b * q, 3, np.int64),
@@ -94,7 +96,7 @@ def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool) -> Mo
         query_lens=np.full(b, q, np.int32),
         block_tables=np.tile(np.asarray(table, np.int32), (b, 1)),
         sample_indices=np.arange(b * q, dtype=np.int64),
-        return_logits=np.array([False]),
+        return_logits=np.array([logits]),
         return_hidden=np.array([hidden]),
     )
 
@@ -113,6 +115,24 @@ def _mtp_call(b: int, k: int, max_k: int, hidden_size: int) -> MTPCall:
         num_tokens=np.full(b, k, np.int32), temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
         top_p=np.ones(b, np.float32), uniforms=np.zeros((b, max_k), np.float32), return_probs=np.array([False]),
     )
+
+
+def _probs_seconds(rows: int, vocab_size: int, clock: Callable[[], float], reps: int = 3) -> float:
+    """The engine's target distribution for ``rows`` sampled rows (temperature 1), fastest of ``reps``."""
+    if vocab_size <= 0:
+        return 0.0
+    import torch
+
+    from .sampling import probs_from_logits
+
+    logits = torch.randn(rows, vocab_size)
+    ones, zeros = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
+    best = float("inf")
+    for _ in range(reps + 1):
+        t0 = clock()
+        probs_from_logits(logits, ones, zeros, ones).numpy()
+        best = min(best, clock() - t0)
+    return best
 
 
 def calibrate(executor: Executor, spec: ProfileSpec,
@@ -158,7 +178,13 @@ def calibrate(executor: Executor, spec: ProfileSpec,
     n_pre = max(1, min(256, spec.max_num_batched_tokens, room))
     t_pre = timer("target", _prefill_call(n_pre, table))
     per_prefill = max(t_pre - fixed[0] - per_context * n_pre, 0.0) / n_pre
-    verify = VerifyCost(sizes, fixed, per_draft, per_context, per_prefill)
+    # a sampled request's rows: logits returned by the stage, and the engine's target distribution
+    k_last = drafted[-1][0] // b_max if drafted[-1] else 0
+    rows = b_max * (1 + k_last)
+    plain = timer("target", _target_call(b_max, k_last, ctx0, table, hidden))
+    with_logits = timer("target", _target_call(b_max, k_last, ctx0, table, hidden, logits=True))
+    per_logits_row = max(with_logits - plain, 0.0) / rows + _probs_seconds(rows, spec.vocab_size, clock) / rows
+    verify = VerifyCost(sizes, fixed, per_draft, per_context, per_prefill, per_logits_row)
 
     propose = ProposeCost(fixed=1e-5, per_draft=1e-5, per_depth=0.0)  # n-gram lookup: next to free
     if proposer:

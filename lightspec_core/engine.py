@@ -208,7 +208,8 @@ class LLMEngine:
         self._profile_pending = False
         cfg = self.config
         spec = ProfileSpec(cfg.method, self.scheduler.max_k, cfg.block_size, cfg.num_kv_blocks, cfg.max_num_seqs,
-                           cfg.max_num_batched_tokens, self.max_model_len, self.model_config.hidden_size)
+                           cfg.max_num_batched_tokens, self.max_model_len, self.model_config.hidden_size,
+                           vocab_size=self.model_config.vocab_size)
         try:
             self.cost.verify, self.cost.propose = calibrate(self.executor, spec)
         except Exception:  # a profile is an optimisation: serve with generic costs rather than fail

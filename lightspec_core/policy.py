@@ -9,10 +9,11 @@ and a step of B requests with D drafts costs (see :class:`CostModel`)
 
     T = overhead + s_v · (a(B) + c(B) · D + v_ctx · C + v_pre · P) + [D > 0] · s_p · (p0 + p_draft · D + p_depth · max_i k_i)
 
-The policy maximises goodput G = Σ_i E_i(k_i) / T. For a fixed depth cap d the best allocation of n
-slots takes the n largest gains g_{i,j} (j <= d; each g falls with j, so the slots taken form a prefix
-per request), and G of every prefix is computed at once with cumulative sums; the policy takes the
-best (d, n) over all depth caps. That is the exact optimum of the cost model (an optimal allocation
+(plus ``s_v · v_logits`` per draft of a sampled request, whose logits row must come back). The policy
+maximises goodput G = Σ_i E_i(k_i) / T. For a fixed depth cap d the best allocation of n slots takes
+the n slots of largest gain per second g_{i,j} / c_i (j <= d; each g falls with j, so the slots taken
+form a prefix per request; with one cost for all, simply the largest gains), and G of every prefix
+is computed at once with cumulative sums; the policy takes the best (d, n) over all depth caps. That is the exact optimum of the cost model (an optimal allocation
 with n slots and depth d is beaten or matched by the n largest gains of depth <= d), so it includes
 every static depth and not drafting at all. Worked example: one request, α = 0.8 everywhere,
 T = 10 ms + 1 ms per slot: G(0) = 0.1, G(1) = 1.8/11, ... G(4) = 3.36/14: all four slots. At 64
@@ -37,9 +38,12 @@ class VerifyCost:
     CPU (a matrix product of one row is nearly as dear as of eight), so one global slope would
     over-draft a lone request or under-draft a full batch. ``per_context`` prices the KV slots the
     attention reads (requests x longest context): a full batch's fixed cost, not a draft's.
-    ``per_prefill`` prices prompt-chunk tokens, which come in long, cheap runs."""
+    ``per_prefill`` prices prompt-chunk tokens, which come in long, cheap runs. ``per_logits_row`` is
+    what a sampled request's draft costs on top: its row of logits returned by the target and the
+    target distribution computed from it for rejection sampling (greedy rows need only top-1 ids)."""
 
-    def __init__(self, sizes, fixed, per_draft, per_context: float = 0.0, per_prefill: float = 0.0):
+    def __init__(self, sizes, fixed, per_draft, per_context: float = 0.0, per_prefill: float = 0.0,
+                 per_logits_row: float = 0.0):
         self.sizes = np.asarray(sizes, dtype=np.float64)
         # plain lists for the per-step lookups (numpy's call overhead would dominate them)
         self._x = self.sizes.tolist()
@@ -51,6 +55,7 @@ class VerifyCost:
             raise ValueError("VerifyCost: sizes must increase")
         self.per_context = max(float(per_context), 0.0)
         self.per_prefill = max(float(per_prefill), 0.0)
+        self.per_logits_row = max(float(per_logits_row), 0.0)
 
     @classmethod
     def linear(cls, v0: float, v_tok: float, v_ctx: float = 0.0, v_pre: float = 0.0) -> VerifyCost:
@@ -138,6 +143,11 @@ class CostModel:
         return self.verify_scale * self.verify.draft_cost(requests) + self.propose_scale * self.propose.per_draft
 
     @property
+    def sampled_extra(self) -> float:
+        """What a sampled request's draft costs on top of a greedy one's (its logits row)."""
+        return self.verify_scale * self.verify.per_logits_row
+
+    @property
     def per_depth(self) -> float:
         return self.propose_scale * self.propose.per_depth
 
@@ -191,6 +201,7 @@ class PolicyInput:
 
     limit: int  # max k allowed (per-request cap, engine K, KV headroom, remaining max_tokens)
     alphas: list[float]  # conditional acceptance estimates, len >= limit
+    sampled: bool = False  # its drafts are verified by rejection sampling: each costs a logits row more
 
 
 class DynamicPolicy:
@@ -236,9 +247,11 @@ class DynamicPolicy:
             return [0] * b
         cost = self.cost
         t0 = cost.step_seconds(requests, 0, context, prefill=prefill)
-        terms = (float(base_tokens - prefill), t0, t0 + cost.propose_fixed, cost.per_slot(requests), cost.per_depth)
+        slot, extra = cost.per_slot(requests), cost.sampled_extra
+        costs = [slot + extra if r.sampled else slot for r in reqs]  # seconds per draft, per request
+        terms = (float(base_tokens - prefill), t0, t0 + cost.propose_fixed, cost.per_depth)
         if b * big_k <= 64:  # the common small case: plain Python beats numpy's per-call overhead
-            return self._allocate_small(reqs, lims, room, *terms)
+            return self._allocate_small(reqs, lims, room, costs, *terms)
         vals: list[float] = []  # alphas as one padded [b, big_k] matrix (plain lists: this is the hot path)
         pad = [0.0] * big_k
         for r, lim in zip(reqs, lims):
@@ -246,9 +259,11 @@ class DynamicPolicy:
             vals += pad[lim:]
         alphas = np.array(vals).reshape(b, big_k)
         gains = np.cumprod(np.clip(alphas, 0.0, 1.0), axis=1)  # g_{i,j}; 0 beyond a request's limit
-        base, t0, fixed, per_slot, per_depth = terms
+        base, t0, fixed, per_depth = terms
         flat = gains.ravel()
-        order = np.argsort(-flat, kind="stable")  # ties keep j ascending within a request
+        slot_cost = np.repeat(np.asarray(costs), big_k)
+        # best gain per second first (with one cost for all: largest gain first); ties keep j ascending
+        order = np.argsort(-(flat / slot_cost), kind="stable")
         order = order[: int(np.count_nonzero(flat > 0))]
         level = order % big_k + 1  # the draft position each slot fills
         best_g, best = base / t0, None  # base: tokens the decoding requests produce without drafts
@@ -257,8 +272,7 @@ class DynamicPolicy:
             if not len(taken):
                 continue
             depth = np.maximum.accumulate(taken % big_k + 1)
-            n = np.arange(1, len(taken) + 1)
-            good = (base + np.cumsum(flat[taken])) / (fixed + per_slot * n + per_depth * depth)
+            good = (base + np.cumsum(flat[taken])) / (fixed + np.cumsum(slot_cost[taken]) + per_depth * depth)
             j = int(good.argmax())
             if good[j] > best_g:
                 best_g, best = float(good[j]), taken[: j + 1]
@@ -267,35 +281,36 @@ class DynamicPolicy:
         return np.bincount(best // big_k, minlength=b).tolist()
 
     @staticmethod
-    def _allocate_small(reqs, lims, room, base, t0, fixed, per_slot, per_depth) -> list[int]:
+    def _allocate_small(reqs, lims, room, costs, base, t0, fixed, per_depth) -> list[int]:
         """The same optimum as the numpy path, for a few requests."""
-        slots = []  # (-gain, request, position): sorted, largest gain first, positions ascending
+        slots = []  # (-gain per second, request, position, gain): best first, positions ascending
         for i, (r, lim) in enumerate(zip(reqs, lims)):
             g = 1.0
             for j in range(lim):
                 g *= min(max(r.alphas[j], 0.0), 1.0)
                 if g <= 0.0:
                     break
-                slots.append((-g, i, j))
+                slots.append((-g / costs[i], i, j, g))
         slots.sort()
         best_g, best = base / t0, None
         for d in range(1, max(lims) + 1):
-            e, n, depth = base, 0, 0
-            for neg, i, j in slots:
+            e, n, depth, spent = base, 0, 0, 0.0
+            for _, i, j, gain in slots:
                 if j >= d:
                     continue
                 if n == room:
                     break
                 n += 1
-                e -= neg
+                e += gain
+                spent += costs[i]
                 depth = max(depth, j + 1)
-                g = e / (fixed + per_slot * n + per_depth * depth)
+                g = e / (fixed + spent + per_depth * depth)
                 if g > best_g:
                     best_g, best = g, (d, n)
         ks = [0] * len(reqs)
         if best is not None:
             d, n = best
-            for _, i, j in [x for x in slots if x[2] < d][:n]:
+            for _, i, j, _ in [x for x in slots if x[2] < d][:n]:
                 ks[i] += 1
         return ks
 

@@ -170,7 +170,8 @@ class Scheduler:
             have = len(tables[seq.request_id]) * bs - len(seq.token_ids)  # slots after the newest token
             room = have if high else have + free_slots
             limit = max(0, min(limit, room))
-            inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates, limit)))
+            inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates, limit),
+                                      not seq.params.greedy))
         base = sum(it.num_new for it in plan.items)
         context = len(plan.items) * max(it.start + it.num_new for it in plan.items)
         ks = self.policy.choose(inputs, base, base + budget, context, plan.prefill_tokens, len(plan.items))

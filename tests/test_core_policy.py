@@ -144,6 +144,8 @@ class _FakeStages:
                 t = 1e-3 + 4e-5 * q + 1e-6 * ctx
             else:
                 t = 1e-3 + 3e-4 * b + (5e-4 if b <= 4 else 1e-4) * b * (q - 1) + 1e-6 * b * ctx
+            if np.asarray(call.return_logits).any():  # 20 us per row of logits sent back
+                t += 2e-5 * len(call.sample_indices)
         else:  # mtp
             k = int(call.num_tokens.max())
             t = 2e-4 * k + 5e-5 * len(call.num_tokens) * k
@@ -170,6 +172,7 @@ def test_calibration_recovers_the_stage_costs_against_batch_size():
     assert abs(v.draft_cost(1) - 5e-4) < 1e-9 and abs(v.draft_cost(64) - 1e-4) < 1e-9
     assert abs(v.per_context - 1e-6) < 1e-12
     assert abs(v.per_prefill - 4e-5) < 2e-6
+    assert abs(v.per_logits_row - 2e-5) < 1e-9  # the fake clock does not see the in-process part
     for b, ctx in ((1, 300), (16, 5000), (64, 20000), (100, 30000)):  # 100: beyond the profile
         truth = 1e-3 + 3e-4 * b + 1e-6 * ctx
         assert abs(v.predict(b, 0, ctx) - truth) < 1e-6
@@ -215,8 +218,8 @@ def test_numpy_and_plain_python_allocations_agree():
         budget = b + int(rng.integers(0, 4 * b))
         vec = pol.choose(reqs, base_tokens=b, token_budget=budget, context=b * 300)
         t0 = cost.step_seconds(b, 0, b * 300)
-        small = pol._allocate_small(reqs, [r.limit for r in reqs], budget - b, float(b), t0, t0 + cost.propose_fixed,
-                                    cost.per_slot(b), cost.per_depth)
+        small = pol._allocate_small(reqs, [r.limit for r in reqs], budget - b, [cost.per_slot(b)] * b, float(b), t0,
+                                    t0 + cost.propose_fixed, cost.per_depth)
         assert vec == small, trial
 
 
@@ -231,3 +234,47 @@ def test_a_request_that_rejects_everything_stops_drafting_while_others_go_on():
     good = request_alphas([10.0, 7.0], [7.0, 5.0], g, 4)
     ks = pol.choose([PolicyInput(4, hopeless)] + [PolicyInput(4, good)] * 15, base_tokens=16, token_budget=512)
     assert ks[0] == 0 and min(ks[1:]) == 3
+
+
+def test_sampled_requests_allocation_is_the_exact_optimum_with_their_logits_cost():
+    """Brute force with greedy and sampled requests mixed, where a sampled request's draft also
+    costs its logits row: the policy's choice has the highest predicted goodput (both paths)."""
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        b, big_k = int(rng.integers(1, 5)), 3
+        cost = CostModel(verify=(rng.uniform(1e-3, 5e-3), rng.uniform(1e-5, 5e-4), rng.uniform(0, 3e-6)),
+                         propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 2e-4), rng.uniform(0, 1e-3)))
+        cost.verify.per_logits_row = rng.uniform(0, 1e-3)
+        pol = DynamicPolicy(cost, probe_every=0)
+        reqs = [PolicyInput(int(rng.integers(0, big_k + 1)), sorted(rng.uniform(0.05, 1.0, big_k), reverse=True),
+                            bool(rng.integers(0, 2))) for _ in range(b)]
+        context = int(rng.integers(0, 20000))
+
+        def goodput(ks):
+            sampled = sum(k for k, r in zip(ks, reqs) if r.sampled)
+            return _expected(reqs, ks) / (cost.step_seconds(b, sum(ks), context, max(ks))
+                                          + cost.sampled_extra * sampled)
+
+        ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context)
+        best = max(goodput(list(alt)) for alt in itertools.product(*[range(r.limit + 1) for r in reqs]))
+        assert goodput(ks) >= best * (1 - 1e-12), (trial, ks)
+        t0 = cost.step_seconds(b, 0, context)
+        costs = [cost.per_slot(b) + (cost.sampled_extra if r.sampled else 0.0) for r in reqs]
+        small = pol._allocate_small(reqs, [r.limit for r in reqs], 9 * b, costs, float(b), t0,
+                                    t0 + cost.propose_fixed, cost.per_depth)
+        assert goodput(small) >= best * (1 - 1e-12), (trial, small)
+
+
+def test_a_sampled_request_drafts_less_than_a_greedy_one_when_its_logits_rows_are_dear():
+    """Same acceptance, same batch: the request verified by rejection sampling pays a logits row
+    per draft (here 0.5 ms against 0.05 ms for the draft itself) and gets fewer drafts."""
+    cost = CostModel(verify=(10e-3, 5e-5), propose=(1e-5, 1e-5, 0.0))
+    cost.verify.per_logits_row = 5e-4
+    pol = DynamicPolicy(cost, probe_every=0)
+    greedy, sampled = PolicyInput(4, [0.6] * 4), PolicyInput(4, [0.6] * 4, sampled=True)
+    ks = pol.choose([greedy, sampled] * 8, base_tokens=16, token_budget=512)
+    assert ks[0::2] == [ks[0]] * 8 and ks[1::2] == [ks[1]] * 8
+    assert ks[0] > ks[1]
+    cost.verify.per_logits_row = 0.0  # without that cost they are treated alike
+    ks = pol.choose([greedy, sampled] * 8, base_tokens=16, token_budget=512)
+    assert ks[0::2] == ks[1::2]
