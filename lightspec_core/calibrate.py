@@ -162,6 +162,7 @@ def calibrate(executor: Executor, spec: ProfileSpec,
         drafted.append((b * k, timer("target", _target_call(b, k, ctx0, table, hidden)) - t0) if k >= 1 else None)
     # the context term, from the largest batch (where it is largest and best measured)
     b_max = sizes[-1]
+    largest = fixed[-1] + (drafted[-1][1] if drafted[-1] else 0.0)  # its step with drafts, as timed
     per_context = 0.0
     if ctx1 > ctx0:
         t1 = timer("target", _target_call(b_max, 0, ctx1, table, hidden))
@@ -181,9 +182,8 @@ def calibrate(executor: Executor, spec: ProfileSpec,
     # a sampled request's rows: logits returned by the stage, and the engine's target distribution
     k_last = drafted[-1][0] // b_max if drafted[-1] else 0
     rows = b_max * (1 + k_last)
-    plain = timer("target", _target_call(b_max, k_last, ctx0, table, hidden))
     with_logits = timer("target", _target_call(b_max, k_last, ctx0, table, hidden, logits=True))
-    per_logits_row = max(with_logits - plain, 0.0) / rows + _probs_seconds(rows, spec.vocab_size, clock) / rows
+    per_logits_row = max(with_logits - largest, 0.0) / rows + _probs_seconds(rows, spec.vocab_size, clock) / rows
     verify = VerifyCost(sizes, fixed, per_draft, per_context, per_prefill, per_logits_row)
 
     propose = ProposeCost(fixed=1e-5, per_draft=1e-5, per_depth=0.0)  # n-gram lookup: next to free

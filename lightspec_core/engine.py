@@ -236,6 +236,8 @@ class LLMEngine:
         qlens: list[int] = []
         rows: list[list[int]] = []
         flags: list[bool] = []  # per sample row: a sampled request's, whose logits must come back
+        logit_rows: list[list[int]] = []  # per item: its rows of the returned logits
+        m = 0  # logits rows so far (sum of flags)
         for it, pr in zip(plan.items, props):
             seq = it.seq
             drafts = pr.draft_ids[: it.k]
@@ -245,7 +247,10 @@ class LLMEngine:
             pos += range(it.start, it.start + len(toks))
             qlens.append(len(toks))
             rows.append(list(range(base + it.num_new - 1, base + len(toks))) if it.samples else [])
-            flags += [not seq.params.greedy] * len(rows[-1])
+            sampled = not seq.params.greedy
+            logit_rows.append(list(range(m, m + len(rows[-1]))) if sampled else [])
+            m += len(rows[-1]) if sampled else 0
+            flags += [sampled] * len(rows[-1])
         bt = pack_block_tables(tables)
         sample_rows = [r for rr in rows for r in rr]
         call = ModelCall(
@@ -255,14 +260,11 @@ class LLMEngine:
             return_logits=np.array(flags if any(flags) and not all(flags) else [any(flags)]),
             return_hidden=np.array([self.config.method is SpecMethod.MTP and self.config.speculative]),
         )
-        # rows relative to the returned (sampled) outputs, and to the returned logits
-        out_rows, logit_rows, n, m = [], [], 0, 0
-        for it, rr in zip(plan.items, rows):
+        # rows relative to the returned (sampled) outputs
+        out_rows, n = [], 0
+        for rr in rows:
             out_rows.append(list(range(n, n + len(rr))))
             n += len(rr)
-            sampled = bool(rr) and not it.seq.params.greedy
-            logit_rows.append(list(range(m, m + len(rr))) if sampled else [])
-            m += len(rr) if sampled else 0
         t_submit = time.perf_counter()
         fut = self.executor.submit("target", call)
         fut.add_done_callback(_stamp_done)

@@ -16,7 +16,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .model import FoldedMTPHead, LlamaModel, MTPHeads, PagedBatch
 from .sampling import probs_from_logits, sample_with_uniforms
@@ -105,7 +104,7 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model.forward_paged(batch, self.kv)
             logits = self.model.logits(hidden)
-        h, v = self.config.hidden_size, self.config.vocab_size
+        h = self.config.hidden_size
         return ModelResult(
             top1_ids=logits.argmax(-1).cpu().numpy(),
             logits=_marked_rows(logits, call.return_logits, "return_logits").float().cpu().numpy(),
