@@ -168,7 +168,7 @@ class LLMEngine:
             plan = self.scheduler.schedule(busy, cap)
             if plan is None:
                 break
-            self.stats.observe_decision(plan.decision_seconds, plan.ks)
+            self.stats.observe_decision(plan.decision_seconds, plan.ks, plan.decision_cpu_seconds)
             self._inflight.append(self._launch(plan))
         if self._inflight:
             deltas += self._complete(self._inflight.popleft())
@@ -310,7 +310,7 @@ class LLMEngine:
             accepted = len(tokens) - 1
             if drafts:
                 seq.record_acceptance(len(drafts), accepted)
-                self.acceptance.observe(len(drafts), accepted)
+                self.acceptance.observe(len(drafts), accepted, not seq.params.greedy)
                 self.stats.observe_verification(len(drafts), accepted)
             seq.num_computed += it.num_new + accepted
             seq.num_steps += 1

@@ -157,26 +157,34 @@ class CostModel:
 
 
 class AcceptanceStats:
-    """Global per-position conditional acceptance counts (decayed), the prior for young requests."""
+    """Global per-position conditional acceptance counts (decayed), the prior for young requests,
+    kept apart for greedy and sampled requests: a greedy draft is accepted when it is the target's
+    top-1 token, a sampled one with probability min(1, p/q), which for a drafter whose proposals are
+    not a distribution (an n-gram match, q one-hot) is just p of the draft token. On a workload that
+    mixes the two one shared prior flatters one mode and slanders the other: sampled n-gram
+    requests at temperature 1 accept a fraction of what greedy ones do. Each mode starts from the
+    same weak guess and learns on its own."""
 
     def __init__(self, max_k: int, prior: float = 0.6, decay: float = 0.999, prior_weight: float = 32.0):
         # a weighty prior: the first drafts after a prefill are atypical and must not switch
         # speculation off for everyone before real evidence arrives
-        self.reached = np.full(max(max_k, 1), prior_weight)
-        self.accepted = self.reached * prior
+        n = max(max_k, 1)
+        self.reached = [np.full(n, prior_weight), np.full(n, prior_weight)]  # [greedy, sampled]
+        self.accepted = [r * prior for r in self.reached]
         self.decay = decay
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, sampled: bool = False) -> None:
         if drafted == 0:
             return
         reach = min(drafted, accepted + 1)
-        self.reached *= self.decay
-        self.accepted *= self.decay
-        self.reached[:reach] += 1
-        self.accepted[:accepted] += 1
+        reached, acc = self.reached[sampled], self.accepted[sampled]
+        reached *= self.decay
+        acc *= self.decay
+        reached[:reach] += 1
+        acc[:accepted] += 1
 
-    def rates(self) -> np.ndarray:
-        return self.accepted / self.reached
+    def rates(self, sampled: bool = False) -> np.ndarray:
+        return self.accepted[sampled] / self.reached[sampled]
 
 
 def request_alphas(pos_reached: list[float], pos_accepted: list[float], global_rates: list[float],

@@ -39,7 +39,8 @@ class ScheduledSeq:
 @dataclass
 class StepPlan:
     items: list[ScheduledSeq] = field(default_factory=list)
-    decision_seconds: float = 0.0
+    decision_seconds: float = 0.0  # wall time of schedule()
+    decision_cpu_seconds: float = 0.0  # CPU time of this thread in it: the wall time less GIL waits and preemption
     prefill_tokens: int = 0  # tokens of prompt chunks (requests not yet decoding); the rest decode
 
     @property
@@ -79,7 +80,7 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self, busy: set[str] = frozenset(), max_seqs: int | None = None) -> StepPlan | None:
         """Plan one step over requests not in ``busy`` (in flight in another micro-batch)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         max_seqs = min(max_seqs or self.max_num_seqs, self.max_num_seqs)
         plan = StepPlan()
         in_plan: set[str] = set()
@@ -100,6 +101,7 @@ class Scheduler:
         if not plan.items:
             return None
         plan.decision_seconds = time.perf_counter() - t0
+        plan.decision_cpu_seconds = time.thread_time() - c0
         return plan
 
     def _feed(self, seq: Sequence, budget: int) -> tuple[int, bool]:
@@ -160,22 +162,36 @@ class Scheduler:
             return
         bs = self.blocks.block_size
         high = self.blocks.usage() >= self.kv_high_water
-        free_slots = self.blocks.num_free * bs
-        rates = self.acceptance.rates().tolist()
+        free_slots = 0 if high else self.blocks.num_free * bs  # above the high-water mark: own slots only
+        rates = [self.acceptance.rates(m).tolist() for m in (False, True)]  # greedy, sampled
         tables = self.blocks.tables
+        max_k = self.max_k
         inputs = []
+        # one pass per request, the hot loop of a decision at 256 requests: no helper calls beyond
+        # the acceptance smoothing (same results as draft_cap() and the block manager's queries)
         for it in cands:
             seq = it.seq
-            limit = seq.draft_cap(self.max_k)
-            have = len(tables[seq.request_id]) * bs - len(seq.token_ids)  # slots after the newest token
-            room = have if high else have + free_slots
-            limit = max(0, min(limit, room))
-            inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates, limit),
-                                      not seq.params.greedy))
+            params = seq.params
+            n_tok = len(seq.token_ids)
+            cap = max_k if params.num_draft_tokens is None else min(max_k, params.num_draft_tokens)
+            # drafts beyond max_tokens - 1 can never be emitted (the bonus token always comes too)
+            cap = min(cap, params.max_tokens - (n_tok - seq.prompt_len) - 1)
+            room = len(tables[seq.request_id]) * bs - n_tok + free_slots  # slots after the newest token
+            limit = max(0, min(cap, room))
+            sampled = not params.greedy
+            inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates[sampled], limit)
+                                      if limit else [], sampled))
         base = sum(it.num_new for it in plan.items)
         context = len(plan.items) * max(it.start + it.num_new for it in plan.items)
         ks = self.policy.choose(inputs, base, base + budget, context, plan.prefill_tokens, len(plan.items))
+        ensure = self.blocks.ensure
         for it, k in zip(cands, ks):
-            while k > 0 and not self.blocks.ensure(it.seq.request_id, it.seq.num_tokens + k):
+            if not k:
+                continue
+            seq = it.seq
+            if len(tables[seq.request_id]) * bs >= len(seq.token_ids) + k:  # the slots are already there
+                it.k = k
+                continue
+            while k > 0 and not ensure(seq.request_id, seq.num_tokens + k):
                 k -= 1
             it.k = k

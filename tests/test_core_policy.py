@@ -78,6 +78,21 @@ def test_young_requests_lean_on_global_rates():
     assert bad[0] < 0.1
 
 
+def test_greedy_and_sampled_requests_learn_separate_priors():
+    """A mixed workload: greedy requests accept almost everything, sampled ones almost nothing.
+    A fresh sampled request starts from the sampled mode's rate, not from the greedy majority's."""
+    acc = AcceptanceStats(2)
+    for _ in range(300):
+        acc.observe(2, 2, sampled=False)
+        acc.observe(2, 0, sampled=True)
+    greedy, sampled = acc.rates(False), acc.rates(True)
+    assert greedy[0] > 0.9 and sampled[0] < 0.15
+    assert request_alphas([], [], sampled.tolist(), 2)[0] < 0.15
+    # a request with a short, failing history: the mode's prior no longer props it up
+    assert request_alphas([3.0], [0.0], sampled.tolist(), 1)[0] < 0.1
+    assert request_alphas([3.0], [0.0], greedy.tolist(), 1)[0] > 0.4
+
+
 def test_policy_probes_again_after_deciding_not_to_draft():
     pol = _policy(c0=10e-3, c_tok=1e-5, p0=50e-3)  # drafting looks unprofitable
     reqs = [PolicyInput(4, [0.6] * 4), PolicyInput(0, [])]
