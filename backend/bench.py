@@ -51,6 +51,7 @@ QUICK = {
     "num_prompts": 16,
     "requests": (16, 4),  # per run: max(16, 4 x concurrency)
 }
+MIXED_REQUESTS = (16, 8)  # --workload mixed, per run: max(16, 8 x concurrency)
 METHODS = ("mtp", "ngram", "draft")
 METHOD_STYLE = {"mtp": "-", "ngram": "-.", "draft": ":"}
 STAGES = {"mtp": "lightspec_mtp", "draft": "lightspec_draft"}
@@ -336,6 +337,7 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
         "mean_draft_tokens_per_step",
         "scheduler_p50_ms",
         "scheduler_p99_ms",
+        "scheduler_cpu_p99_ms",
         "preemptions",
     )
     if before is None or after is None:
@@ -348,11 +350,13 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
     k_count = d("draft_tokens_per_step_count")
     sched = histogram_delta(before, after, "scheduler_decision_seconds", model)
     p50, p99 = histogram_quantile(0.5, sched), histogram_quantile(0.99, sched)
+    cpu99 = histogram_quantile(0.99, histogram_delta(before, after, "scheduler_decision_cpu_seconds", model))
     return {
         "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
         "mean_draft_tokens_per_step": d("draft_tokens_per_step_sum") / k_count if k_count else None,
         "scheduler_p50_ms": None if p50 is None else 1000 * p50,
         "scheduler_p99_ms": None if p99 is None else 1000 * p99,
+        "scheduler_cpu_p99_ms": None if cpu99 is None else 1000 * cpu99,
         "preemptions": int(d("num_preemptions_total")),
     }
 
@@ -618,6 +622,7 @@ COLUMNS = [
     ("acc len", 7, "mean_acceptance_length", _num(".2f")),
     ("k/step", 6, "mean_draft_tokens_per_step", _num(".2f")),
     ("sched p99 ms", 12, "scheduler_p99_ms", _num(".3f")),
+    ("cpu p99 ms", 10, "scheduler_cpu_p99_ms", _num(".3f")),
 ]
 
 
@@ -771,6 +776,18 @@ class Load:
         return f"c={self.concurrency}" if self.rate is None else f"rate={self.rate:g}/s"
 
 
+def requests_rule(quick: bool, workload: str) -> tuple[int, int]:
+    """(minimum, per unit of concurrency) requests per closed-loop run when --requests is not given."""
+    if quick:
+        return QUICK["requests"]
+    if workload == "mixed":
+        # Requests of two speeds: a closed-loop run of 2 x C requests is mostly its tail, the last
+        # slow (unpredictable) requests running in a shrinking batch, and measures that tail, not
+        # the steady state the schedule is for; 8 x C requests make the tail a small part.
+        return MIXED_REQUESTS
+    return BenchPlan.requests_rule
+
+
 @dataclass
 class BenchPlan:
     configs: list[RunConfig]
@@ -905,7 +922,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--requests",
         type=int,
-        help="requests per run (default: max(16, 2 x concurrency), --quick max(16, 4 x C); rates: 8 s of arrivals)",
+        help="requests per run (default: max(16, 2 x concurrency), --quick max(16, 4 x C), --workload mixed "
+        "max(16, 8 x C); rates: 8 s of arrivals)",
     )
     p.add_argument("--max-tokens", type=int, help="tokens per request (default 128; 32 with --quick)")
     p.add_argument("--max-draft-tokens", type=int, default=4, help="K for dynamic (default 4)")
@@ -994,8 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = BenchPlan(
         configs, loads, prompts, args.max_tokens, args.requests, args.warmup, args.temperature, args.seed, args.timeout
     )
-    if "requests" in quick:
-        plan.requests_rule = quick["requests"]
+    plan.requests_rule = requests_rule(bool(quick), args.workload)
     plan.repeats = max(1, args.repeats)
     load = os.getloadavg()[0]
     if load > 0.5:

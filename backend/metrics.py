@@ -22,6 +22,7 @@ HISTOGRAM_BUCKETS = {
     "time_per_output_token_seconds": [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2],
     "e2e_request_latency_seconds": _LATENCY,
     "scheduler_decision_seconds": [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2],
+    "scheduler_decision_cpu_seconds": [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2],
     "draft_tokens_per_step": [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
     "stage_latency_seconds": [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0],
 }
@@ -43,6 +44,8 @@ DESCRIPTIONS = {
     "time_per_output_token_seconds": "Time between generated tokens of a request",
     "e2e_request_latency_seconds": "Time from arrival to the final token",
     "scheduler_decision_seconds": "Time the scheduler spent choosing the batch and draft lengths",
+    "scheduler_decision_cpu_seconds": "CPU time of the engine thread in that decision (excludes waiting for "
+                                      "the GIL or a core)",
     "draft_tokens_per_step": "Draft tokens chosen per request per step (k)",
     "stage_latency_seconds": "Latency of one stage call",
 }

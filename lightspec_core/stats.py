@@ -48,8 +48,10 @@ class RuntimeStats:
             if j < accepted:
                 self.accepted_per_pos[j] += 1
 
-    def observe_decision(self, seconds: float, ks: list[int]) -> None:
+    def observe_decision(self, seconds: float, ks: list[int], cpu_seconds: float | None = None) -> None:
         self.observe("scheduler_decision_seconds", seconds)
+        if cpu_seconds is not None:
+            self.observe("scheduler_decision_cpu_seconds", cpu_seconds)
         for k in ks:
             self.observe("draft_tokens_per_step", k)
 

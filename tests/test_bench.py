@@ -71,6 +71,10 @@ def test_mixed_workload_alternates_code_and_shuffled_prompts_deterministically()
             assert "\n" not in p.text
     code = bench.default_prompts(4, None, max_prompt_tokens=60, workload="code", seed=3)
     assert {p.kind for p in code} == {"code"}
+    # a mixed run is long enough that its slow half's tail does not decide the throughput
+    plan.requests_rule = bench.requests_rule(False, "mixed")
+    assert plan.num_requests(bench.Load(concurrency=16)) == 128
+    assert bench.requests_rule(False, "code") == (16, 2) and bench.requests_rule(True, "mixed") == (16, 4)
 
 
 def test_shuffled_text_keeps_the_words_and_loses_the_order():
@@ -96,7 +100,8 @@ def test_prompts_file_needs_a_prompt_field(tmp_path):
 
 
 # ---- metrics arithmetic -------------------------------------------------------------------------------------
-def _exposition(model: str, steps: int, accepted: int, k_sum: float, k_count: int, sched: list[int]) -> str:
+def _exposition(model: str, steps: int, accepted: int, k_sum: float, k_count: int, sched: list[int],
+                cpu: list[int] | None = None) -> str:
     labels = f'model="{model}",version="1"'
     lines = [
         "# TYPE lightspec:spec_decode_num_steps_total counter",
@@ -109,18 +114,22 @@ def _exposition(model: str, steps: int, accepted: int, k_sum: float, k_count: in
     ]
     for le, n in zip(["0.0001", "0.001", "+Inf"], sched):
         lines.append(f'lightspec:scheduler_decision_seconds_bucket{{{labels},le="{le}"}} {n}')
+    for le, n in zip(["0.0001", "0.001", "+Inf"], cpu or []):
+        lines.append(f'lightspec:scheduler_decision_cpu_seconds_bucket{{{labels},le="{le}"}} {n}')
     return "\n".join(lines) + "\n"
 
 
 def test_server_stats_are_differences_between_two_scrapes():
-    before = bench.parse_metrics(_exposition("m", 10, 5, 20.0, 10, [10, 10, 10]))
-    after = bench.parse_metrics(_exposition("m", 30, 35, 80.0, 30, [10, 110, 110]))
+    before = bench.parse_metrics(_exposition("m", 10, 5, 20.0, 10, [10, 10, 10], [10, 10, 10]))
+    after = bench.parse_metrics(_exposition("m", 30, 35, 80.0, 30, [10, 110, 110], [110, 110, 110]))
     s = bench.server_stats(before, after, "m")
     assert s["mean_acceptance_length"] == pytest.approx(1 + 30 / 20)  # counts the bonus token
     assert s["mean_draft_tokens_per_step"] == pytest.approx(60 / 20)
     # all 100 new decisions fall in (0.1 ms, 1 ms]: p50 interpolates to the middle of that bucket
     assert s["scheduler_p50_ms"] == pytest.approx(0.1 + 0.9 * 0.5)
     assert s["scheduler_p99_ms"] == pytest.approx(0.1 + 0.9 * 0.99)
+    # the same decisions' CPU time all fell at or under 0.1 ms (their wall time waited on the GIL)
+    assert s["scheduler_cpu_p99_ms"] == pytest.approx(0.1 * 0.99)
     assert bench.server_stats(None, after, "m")["mean_acceptance_length"] is None
 
 

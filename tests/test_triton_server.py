@@ -378,6 +378,7 @@ def test_lightspec_metrics_are_exported(server):
         "time_per_output_token_seconds",
         "e2e_request_latency_seconds",
         "scheduler_decision_seconds",
+        "scheduler_decision_cpu_seconds",
         "draft_tokens_per_step",
     ):
         assert metric(values, f"{histogram}_count") > 0, histogram
