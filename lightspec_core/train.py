@@ -2,6 +2,7 @@
 
     python -m lightspec_core.train --out lightspec_core/default_model        # full run (~60 min, 2 cores)
     python -m lightspec_core.train --out /tmp/m --smoke                      # seconds; used by the tests
+    python -m lightspec_core.train --out OUT --heads-from DIR --mtp-minutes 40   # more MTP head training only
 
 Produces ``OUT/target`` (Llama checkpoint, HF layout + tokenizer.json), ``OUT/mtp`` (K MTP heads trained
 with the target frozen, distilled from the target's own next-token distributions, which is what
@@ -237,6 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft-vocab", type=int, help="MTP draft vocabulary: most frequent ids (0: all; default 1024)")
+    ap.add_argument("--heads-from", type=Path, metavar="DIR",
+                    help="keep DIR's target, tokenizer, draft model and draft vocabulary; continue training its "
+                         "MTP heads for --mtp-minutes and write the family to --out")
+    ap.add_argument("--mtp-lr", type=float, help="peak learning rate of the heads (default 2e-3, 1e-3 with --heads-from)")
     a = ap.parse_args(argv)
     pr = dict(PRESETS["smoke" if a.smoke else "full"])
     if a.draft_vocab is not None:
@@ -252,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    if a.heads_from is not None:
+        return continue_heads(a, pr, log, t_start)
 
     train_files, valid_files = stdlib_files()
     if pr["max_files"]:
@@ -270,7 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     mtp = MTPHeads(MTPConfig(num_heads=a.num_heads, hidden_size=tcfg.hidden_size, intermediate_size=pr["mtp_inter"]))
     log(f"mtp heads: {num_params(mtp)} params")
-    m_steps, m_time = train_mtp(mtp, target, train_data, pr["batch"] // 2, pr["seq"], pr["mtp_min"], 2e-3, pr["steps"], log, a.seed + 1)
+    m_steps, m_time = train_mtp(mtp, target, train_data, pr["batch"] // 2, pr["seq"], pr["mtp_min"], a.mtp_lr or 2e-3,
+                                pr["steps"], log, a.seed + 1)
     if 0 < pr["draft_vocab"] < vocab:
         mtp.draft_vocab = frequent_tokens(train_data, vocab, pr["draft_vocab"])
 
@@ -307,6 +316,45 @@ def main(argv: list[str] | None = None) -> dict:
     }
     report.update(evaluate(target, mtp, draft, valid_data, pr["seq"], pr["eval_batches"], a.seed + 3))
     report["total_seconds"] = round(time.time() - t_start)
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(json.dumps(report))
+    return report
+
+
+def load_corpus(tok_dir: Path, max_files: int | None):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    train_files, valid_files = stdlib_files()
+    if max_files:
+        train_files, valid_files = train_files[:max_files], valid_files[: max_files // 2]
+    return tok, encode_corpus(tok, read_texts(train_files)), encode_corpus(tok, read_texts(valid_files))
+
+
+def continue_heads(a, pr: dict, log, t_start: float) -> dict:
+    """Further MTP head training on a finished family: the target, tokenizer, draft model and draft
+    vocabulary stay as they are (so earlier measurements of them still hold); the heads start from
+    DIR's weights. The report keeps DIR's fields and adds the heads' agreement before and after."""
+    src: Path = a.heads_from
+    tok, train_data, valid_data = load_corpus(src / "target", pr["max_files"])
+    target, draft, mtp = LlamaModel.load(src / "target"), LlamaModel.load(src / "draft"), MTPHeads.load(src / "mtp")
+    report = json.loads((src / "train_report.json").read_text()) if (src / "train_report.json").exists() else {}
+    before = evaluate(target, mtp, draft, valid_data, pr["seq"], pr["eval_batches"], a.seed + 3)
+    log(f"heads before: {before['mtp_head_greedy_acceptance']}")
+    steps, secs = train_mtp(mtp, target, train_data, pr["batch"] // 2, pr["seq"], pr["mtp_min"], a.mtp_lr or 1e-3,
+                            pr["steps"], log, a.seed + 11)
+    after = evaluate(target, mtp, draft, valid_data, pr["seq"], pr["eval_batches"], a.seed + 3)
+    log(f"heads after: {after['mtp_head_greedy_acceptance']}")
+    out: Path = a.out
+    if out.resolve() != src.resolve():
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(src, out)
+    mtp.save(out / "mtp")
+    report["mtp_head_greedy_acceptance_before_continued"] = before["mtp_head_greedy_acceptance"]
+    report["mtp_head_greedy_acceptance"] = after["mtp_head_greedy_acceptance"]
+    report["mtp_continued"] = {"steps": steps, "seconds": round(secs), "peak_lr": a.mtp_lr or 1e-3}
+    report["mtp_steps"] = report.get("mtp_steps", 0) + steps
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(json.dumps(report))
     return report
