@@ -145,21 +145,41 @@ class Backbone(nn.Module):
 
 
 @dataclass
+class AttnGroup:
+    """Requests of one step whose queries are padded to a common length Q for attention."""
+
+    token_rows: torch.Tensor  # int64 [Ng]  rows of the packed batch (the step's new tokens) in this group
+    query_index: torch.Tensor  # int64 [Ng]  where each of them sits in the padded [Bg*Q] query grid
+    context_slots: torch.Tensor  # int64 [Bg, C] flat KV slot of context position c of the group's request b
+    attn_mask: torch.Tensor  # bool [Bg, 1, Q, C] True where a query may attend to a key
+    num_requests: int
+    max_query: int
+
+
+def _group_key(q: int) -> int:
+    """Decoding requests (1 token), verifying requests (a token and up to 7 drafts), then prompt
+    chunks by powers of two."""
+    return 0 if q == 1 else 1 if q <= 8 else (q - 1).bit_length()
+
+
+@dataclass
 class PagedBatch:
     """Index tensors of one packed step, built once per step and shared by all layers.
 
-    N = total new tokens, B = requests, Q = longest query, C = longest context (in tokens).
+    N = total new tokens, B = requests. Attention runs per :class:`AttnGroup`: requests padded to
+    their group's longest query and longest context. One padded grid for the whole step would make
+    every decoding request pay for the longest query in it, a 5-token verification or a 256-token
+    prompt chunk, in attention work that grows with Q x C: a dynamic policy that drafts deep for
+    some requests and not at all for others, or any step that carries a prompt chunk, paid for the
+    deepest request on every row.
     """
 
     input_ids: torch.Tensor  # int64 [N]
     positions: torch.Tensor  # int64 [N]
     slot_mapping: torch.Tensor  # int64 [N]   flat KV slot written by each new token
-    query_index: torch.Tensor  # int64 [N]   where token n sits in the padded [B*Q] query grid
-    context_slots: torch.Tensor  # int64 [B, C] flat KV slot of context position c of request b
-    attn_mask: torch.Tensor  # bool [B, 1, Q, C] True where query may attend to key
+    groups: list[AttnGroup]
     sample_indices: torch.Tensor  # int64 [M]   rows of the packed batch whose outputs are returned
     num_requests: int
-    max_query: int
 
     @classmethod
     def build(
@@ -173,41 +193,46 @@ class PagedBatch:
     ) -> PagedBatch:
         """Build the index tensors. ``positions`` of a request's new tokens must be consecutive;
         its context is every position up to its last new token (earlier ones already in the pool)."""
-        num_req = len(query_lens)
-        qlens = torch.tensor(query_lens, dtype=torch.int64)
-        max_q = int(qlens.max())
-        req_of_token = torch.repeat_interleave(torch.arange(num_req), qlens)
-        starts = torch.cumsum(qlens, 0) - qlens
-        offset_in_req = torch.arange(len(input_ids)) - starts[req_of_token]
-        query_index = req_of_token * max_q + offset_in_req
-
         bt = block_tables.to(torch.int64)
+        qlens = torch.tensor(query_lens, dtype=torch.int64)
+        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
         slot_mapping = bt[req_of_token, positions // block_size] * block_size + positions % block_size
-
-        last_pos = positions[starts + qlens - 1]  # [B]
-        ctx_lens = last_pos + 1
-        max_c = int(ctx_lens.max())
-        c = torch.arange(max_c)
-        blk_idx = (c // block_size).clamp(max=bt.shape[1] - 1)
-        context_slots = bt[:, blk_idx] * block_size + (c % block_size)  # [B, C]
-
-        q_pos = torch.full((num_req * max_q,), -1, dtype=torch.int64)
-        q_pos[query_index] = positions
-        q_pos = q_pos.view(num_req, max_q)
-        # key c visible to a query at position p iff c <= p; padded queries (p = -1) see nothing,
-        # so give them key 0 to keep softmax finite (their output is discarded).
-        mask = c.view(1, 1, max_c) <= q_pos.unsqueeze(-1)
-        mask[:, :, 0] |= q_pos < 0
+        by_key: dict[int, list[int]] = {}
+        for r, q in enumerate(query_lens):
+            by_key.setdefault(_group_key(q), []).append(r)
+        starts = (torch.cumsum(qlens, 0) - qlens).tolist()
+        groups = []
+        for members in by_key.values():
+            rows = torch.tensor(members, dtype=torch.int64)
+            glens = qlens[rows]
+            max_q = int(glens.max())
+            token_rows = torch.cat([torch.arange(starts[r], starts[r] + query_lens[r]) for r in members])
+            local = torch.repeat_interleave(torch.arange(len(members)), glens)
+            gstarts = torch.cumsum(glens, 0) - glens
+            offset = torch.arange(len(token_rows)) - gstarts[local]
+            query_index = local * max_q + offset
+            gpos = positions[token_rows]
+            ctx_lens = gpos[gstarts + glens - 1] + 1  # [Bg]
+            max_c = int(ctx_lens.max())
+            c = torch.arange(max_c)
+            gbt = bt[rows]
+            blk_idx = (c // block_size).clamp(max=gbt.shape[1] - 1)
+            context_slots = gbt[:, blk_idx] * block_size + (c % block_size)  # [Bg, C]
+            q_pos = torch.full((len(members) * max_q,), -1, dtype=torch.int64)
+            q_pos[query_index] = gpos
+            q_pos = q_pos.view(len(members), max_q)
+            # key c visible to a query at position p iff c <= p; padded queries (p = -1) see nothing,
+            # so give them key 0 to keep softmax finite (their output is discarded).
+            mask = c.view(1, 1, max_c) <= q_pos.unsqueeze(-1)
+            mask[:, :, 0] |= q_pos < 0
+            groups.append(AttnGroup(token_rows, query_index, context_slots, mask.unsqueeze(1), len(members), max_q))
         return cls(
             input_ids=input_ids,
             positions=positions,
             slot_mapping=slot_mapping,
-            query_index=query_index,
-            context_slots=context_slots,
-            attn_mask=mask.unsqueeze(1),
+            groups=groups,
             sample_indices=sample_indices,
-            num_requests=num_req,
-            max_query=max_q,
+            num_requests=len(query_lens),
         )
 
 
@@ -264,9 +289,9 @@ class LlamaModel(nn.Module):
         beyond a query's own position are masked, so stale slots are never read.
         """
         n = batch.input_ids.shape[0]
-        b, q_len = batch.num_requests, batch.max_query
         x = self.model.embed_tokens(batch.input_ids)  # [N, H]
         cos, sin = self.rope.tables(batch.positions)
+        single = len(batch.groups) == 1
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
@@ -275,13 +300,20 @@ class LlamaModel(nn.Module):
             v = a.v_proj(h).view(n, a.n_kv, a.hd)
             kv[li, 0].index_copy_(0, batch.slot_mapping, k)
             kv[li, 1].index_copy_(0, batch.slot_mapping, v)
-            keys = kv[li, 0][batch.context_slots].transpose(1, 2)  # [B, kvh, C, hd]
-            vals = kv[li, 1][batch.context_slots].transpose(1, 2)
-            qp = q.new_zeros(b * q_len, a.n_heads, a.hd)
-            qp[batch.query_index] = q
-            qp = qp.view(b, q_len, a.n_heads, a.hd).transpose(1, 2)  # [B, h, Q, hd]
-            o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=batch.attn_mask, enable_gqa=True)
-            o = o.transpose(1, 2).reshape(b * q_len, -1)[batch.query_index]  # [N, h*hd]
+            o = q.new_empty(n, a.n_heads * a.hd) if not single else None
+            for g in batch.groups:
+                b, q_len = g.num_requests, g.max_query
+                keys = kv[li, 0][g.context_slots].transpose(1, 2)  # [Bg, kvh, C, hd]
+                vals = kv[li, 1][g.context_slots].transpose(1, 2)
+                qp = q.new_zeros(b * q_len, a.n_heads, a.hd)
+                qp[g.query_index] = q if single else q[g.token_rows]
+                qp = qp.view(b, q_len, a.n_heads, a.hd).transpose(1, 2)  # [Bg, h, Q, hd]
+                og = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.attn_mask, enable_gqa=True)
+                og = og.transpose(1, 2).reshape(b * q_len, -1)[g.query_index]  # [Ng, h*hd]
+                if single:
+                    o = og
+                else:
+                    o[g.token_rows] = og
             x = x + a.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x[batch.sample_indices])

@@ -111,6 +111,20 @@ def test_paged_equals_contiguous_for_random_block_assignments(smoke_model):
         torch.testing.assert_close(paged, contiguous, atol=1e-5, rtol=0)
 
 
+def test_attention_pads_each_request_only_within_its_group():
+    """Decoding rows, verification rows and a prompt chunk attend in separate padded grids: a
+    decoding request never pays for a 40-token chunk's query length or a far longer context."""
+    lens = [1, 1, 1, 5, 3, 40]
+    starts = [300, 120, 7, 250, 60, 0]  # position of each request's first new token
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    bt = torch.arange(6 * 20, dtype=torch.int32).view(6, 20)
+    batch = PagedBatch.build(torch.zeros(sum(lens), dtype=torch.int64), pos, lens, bt, 16, torch.arange(sum(lens)))
+    shapes = sorted((g.num_requests, g.max_query, g.context_slots.shape[1]) for g in batch.groups)
+    assert shapes == [(1, 40, 40), (2, 5, 255), (3, 1, 301)]
+    rows = torch.sort(torch.cat([g.token_rows for g in batch.groups])).values
+    assert torch.equal(rows, torch.arange(sum(lens)))  # every new token in exactly one group
+
+
 def _mtp_call(hidden, last_ids, ks, temps, uniforms):
     from lightspec_core.stages import MTPCall
 
