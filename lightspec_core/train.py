@@ -328,7 +328,7 @@ def load_corpus(tok_dir: Path, max_files: int | None):
     train_files, valid_files = stdlib_files()
     if max_files:
         train_files, valid_files = train_files[:max_files], valid_files[: max_files // 2]
-    return tok, encode_corpus(tok, read_texts(train_files)), encode_corpus(tok, read_texts(valid_files))
+    return encode_corpus(tok, read_texts(train_files)), encode_corpus(tok, read_texts(valid_files))
 
 
 def continue_heads(a, pr: dict, log, t_start: float) -> dict:
@@ -336,7 +336,7 @@ def continue_heads(a, pr: dict, log, t_start: float) -> dict:
     vocabulary stay as they are (so earlier measurements of them still hold); the heads start from
     DIR's weights. The report keeps DIR's fields and adds the heads' agreement before and after."""
     src: Path = a.heads_from
-    tok, train_data, valid_data = load_corpus(src / "target", pr["max_files"])
+    train_data, valid_data = load_corpus(src / "target", pr["max_files"])
     target, draft, mtp = LlamaModel.load(src / "target"), LlamaModel.load(src / "draft"), MTPHeads.load(src / "mtp")
     report = json.loads((src / "train_report.json").read_text()) if (src / "train_report.json").exists() else {}
     before = evaluate(target, mtp, draft, valid_data, pr["seq"], pr["eval_batches"], a.seed + 3)
