@@ -111,8 +111,9 @@ def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
         if label in ("none", "off"):
             out.append(RunConfig(spec, "none", "off", depth_n))
             continue
-        if not re.fullmatch(r"dynamic|static(:\d+)?", label):
-            raise SystemExit(f"--configs {spec!r}: expected none, dynamic, static or static:K (optionally @2)")
+        if not re.fullmatch(r"dynamic(:latency)?|static(:\d+)?", label):
+            raise SystemExit(f"--configs {spec!r}: expected none, dynamic, dynamic:latency, static or static:K "
+                             "(optionally @2)")
         out += [RunConfig(spec, m, label, depth_n) for m in methods]
     if len({c.model_name for c in out}) != len(out):
         raise SystemExit(f"--configs {' '.join(configs)}: a configuration is listed twice")

@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(f"--{name}-port", type=int, help=f"default {port}; 0 picks a free port")
     s.add_argument("--model-dir", help="target checkpoint (generates a repository; MTP/draft are its siblings)")
     s.add_argument("--speculation", help="mtp | draft | ngram | none")
-    s.add_argument("--policy", help="dynamic | off | static | static:K")
+    s.add_argument("--policy", help="dynamic | dynamic:latency | off | static | static:K")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config.pbtxt parameter (repeatable)")
     s.add_argument("--tritonserver", help="tritonserver binary (default: PATH, then the nvidia-pytriton wheel)")
     s.add_argument("--startup-timeout", type=float, default=600.0)

@@ -65,9 +65,13 @@ class SamplingParams:
 
 
 def parse_policy(policy: str) -> tuple[str, int | None]:
-    """``"dynamic"`` | ``"off"`` | ``"static"`` | ``"static:K"`` -> (kind, fixed k or None)."""
+    """``"dynamic"`` | ``"dynamic:latency"`` | ``"off"`` | ``"static"`` | ``"static:K"`` -> (kind, fixed k
+    or None). ``dynamic:latency``: the dynamic policy minimising the running requests' mean latency
+    (step time x sum of 1/E_i) instead of maximising the batch's goodput (sum of E_i / step time)."""
     if policy in ("dynamic", "off", "static"):
         return policy, None
+    if policy in ("dynamic:goodput", "dynamic:latency"):
+        return "dynamic", None
     if policy.startswith("static:"):
         try:
             k = int(policy.split(":", 1)[1])
@@ -76,7 +80,7 @@ def parse_policy(policy: str) -> tuple[str, int | None]:
         if k < 0:
             raise _bad("policy", policy, "K must be >= 0")
         return "static", k
-    raise _bad("policy", policy, "expected one of dynamic, off, static, static:K")
+    raise _bad("policy", policy, "expected one of dynamic, dynamic:latency, off, static, static:K")
 
 
 @dataclass
@@ -130,6 +134,10 @@ class EngineConfig:
             raise _bad("ngram_min", self.ngram_min, "need 1 <= ngram_min <= ngram_max")
         if self.static_k is not None and self.static_k > self.max_draft_tokens:
             raise _bad("policy", self.policy, f"K exceeds max_draft_tokens={self.max_draft_tokens}")
+
+    @property
+    def policy_objective(self) -> str:
+        return "latency" if self.policy == "dynamic:latency" else "goodput"
 
     @property
     def speculative(self) -> bool:

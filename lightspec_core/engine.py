@@ -98,7 +98,8 @@ class LLMEngine:
         self.acceptance = AcceptanceStats(max(k, 1))
         self.cost = CostModel()
         self._profile_pending = cfg.speculative and cfg.policy_kind == "dynamic" and cfg.profile_stages
-        policy = DynamicPolicy(self.cost) if cfg.policy_kind == "dynamic" else StaticPolicy(cfg.static_k or 0)
+        policy = (DynamicPolicy(self.cost, objective=cfg.policy_objective) if cfg.policy_kind == "dynamic"
+                  else StaticPolicy(cfg.static_k or 0))
         if cfg.policy_kind == "static" and cfg.static_k is None:
             policy = StaticPolicy(cfg.max_draft_tokens)
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size)

@@ -19,6 +19,15 @@ every static depth and not drafting at all. Worked example: one request, α = 0.
 T = 10 ms + 1 ms per slot: G(0) = 0.1, G(1) = 1.8/11, ... G(4) = 3.36/14: all four slots. At 64
 requests with 10 ms fixed and 1 ms per slot, G(0) = 64/74 tokens/ms, so only requests whose gains
 exceed about 0.86 draft.
+
+Objective ``latency`` (``policy: dynamic:latency``): maximise B · HM(E) / T instead, HM the harmonic
+mean of the decoding requests' E_i, i.e. minimise T · Σ 1/E_i, the running requests' mean latency.
+G rewards every expected token alike, so it drafts deep for the requests that accept and every
+step gets longer for all of them; in a closed loop throughput is concurrency / mean latency
+(Little's law), and the requests that cannot speculate, slowed by those longer steps, come to
+hold most of the slots. Here a slot's value is how much it lowers 1/E_i, g_{i,j} / (E_{i,j-1} E_{i,j}):
+the same allocation machinery (values fall with j, so slots still form prefixes), exact with one
+cost for all. With identical requests both objectives choose alike.
 """
 
 from __future__ import annotations
@@ -223,9 +232,12 @@ class DynamicPolicy:
 
     name = "dynamic"
 
-    def __init__(self, cost: CostModel, probe_every: int = 8):
+    def __init__(self, cost: CostModel, probe_every: int = 8, objective: str = "goodput"):
+        if objective not in ("goodput", "latency"):
+            raise ValueError(f"objective={objective!r}: expected goodput or latency")
         self.cost = cost
         self.probe_every = probe_every
+        self.latency = objective == "latency"
         self._idle = 0
 
     def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, context: int = 0,
@@ -259,7 +271,7 @@ class DynamicPolicy:
         costs = [slot + extra if r.sampled else slot for r in reqs]  # seconds per draft, per request
         terms = (float(base_tokens - prefill), t0, t0 + cost.propose_fixed, cost.per_depth)
         if b * big_k <= 64:  # the common small case: plain Python beats numpy's per-call overhead
-            return self._allocate_small(reqs, lims, room, costs, *terms)
+            return self._allocate_small(reqs, lims, room, costs, *terms, latency=self.latency)
         vals: list[float] = []  # alphas as one padded [b, big_k] matrix (plain lists: this is the hot path)
         pad = [0.0] * big_k
         for r, lim in zip(reqs, lims):
@@ -268,6 +280,9 @@ class DynamicPolicy:
         alphas = np.array(vals).reshape(b, big_k)
         gains = np.cumprod(np.clip(alphas, 0.0, 1.0), axis=1)  # g_{i,j}; 0 beyond a request's limit
         base, t0, fixed, per_depth = terms
+        if self.latency:  # value of a slot: how much it lowers the request's 1/E_i
+            e = 1.0 + np.cumsum(gains, axis=1)
+            gains = gains / ((e - gains) * e)
         flat = gains.ravel()
         slot_cost = np.repeat(np.asarray(costs), big_k)
         # best gain per second first (with one cost for all: largest gain first); ties keep j ascending
@@ -280,7 +295,11 @@ class DynamicPolicy:
             if not len(taken):
                 continue
             depth = np.maximum.accumulate(taken % big_k + 1)
-            good = (base + np.cumsum(flat[taken])) / (fixed + np.cumsum(slot_cost[taken]) + per_depth * depth)
+            seconds = fixed + np.cumsum(slot_cost[taken]) + per_depth * depth
+            if self.latency:  # base x harmonic mean of E_i / T: sum 1/E_i starts at base (E_i = 1)
+                good = base * base / ((base - np.cumsum(flat[taken])) * seconds)
+            else:
+                good = (base + np.cumsum(flat[taken])) / seconds
             j = int(good.argmax())
             if good[j] > best_g:
                 best_g, best = float(good[j]), taken[: j + 1]
@@ -289,16 +308,18 @@ class DynamicPolicy:
         return np.bincount(best // big_k, minlength=b).tolist()
 
     @staticmethod
-    def _allocate_small(reqs, lims, room, costs, base, t0, fixed, per_depth) -> list[int]:
+    def _allocate_small(reqs, lims, room, costs, base, t0, fixed, per_depth, latency: bool = False) -> list[int]:
         """The same optimum as the numpy path, for a few requests."""
-        slots = []  # (-gain per second, request, position, gain): best first, positions ascending
+        slots = []  # (-value per second, request, position, value): best first, positions ascending
         for i, (r, lim) in enumerate(zip(reqs, lims)):
-            g = 1.0
+            g, e = 1.0, 1.0
             for j in range(lim):
                 g *= min(max(r.alphas[j], 0.0), 1.0)
                 if g <= 0.0:
                     break
-                slots.append((-g / costs[i], i, j, g))
+                v = g / (e * (e + g)) if latency else g  # latency: how much the slot lowers 1/E_i
+                e += g
+                slots.append((-v / costs[i], i, j, v))
         slots.sort()
         best_g, best = base / t0, None
         for d in range(1, max(lims) + 1):
@@ -312,7 +333,8 @@ class DynamicPolicy:
                 e += gain
                 spent += costs[i]
                 depth = max(depth, j + 1)
-                g = e / (fixed + spent + per_depth * depth)
+                seconds = fixed + spent + per_depth * depth
+                g = base * base / ((2 * base - e) * seconds) if latency else e / seconds
                 if g > best_g:
                     best_g, best = g, (d, n)
         ks = [0] * len(reqs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from lightspec_core.policy import AcceptanceStats, CostModel, DynamicPolicy, PolicyInput, StaticPolicy, request_alphas
 
@@ -127,6 +128,48 @@ def test_allocation_is_the_exact_optimum_including_the_proposers_depth_cost():
         best = max(goodput(list(alt)) for alt in itertools.product(*[range(r.limit + 1) for r in reqs]))
         assert all(0 <= k <= r.limit for k, r in zip(ks, reqs))
         assert goodput(ks) >= best * (1 - 1e-12), (trial, ks)
+
+
+def _mean_latency_value(reqs, ks, seconds):
+    """base x harmonic mean of E_i / step time: what the latency objective maximises."""
+    e = [1 + sum(float(np.prod(r.alphas[: j + 1])) for j in range(k)) for r, k in zip(reqs, ks)]
+    return len(reqs) ** 2 / (sum(1 / x for x in e) * seconds)
+
+
+def test_latency_objective_is_the_exact_optimum_of_step_time_times_sum_of_inverse_speeds():
+    """Brute force, both allocation paths, one draft cost for all (greedy requests): the choice
+    minimises step time x sum of 1/E_i, the running requests' mean latency."""
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        b, big_k = int(rng.integers(1, 5)), 3
+        cost = CostModel(verify=(rng.uniform(1e-3, 5e-3), rng.uniform(1e-5, 5e-4), rng.uniform(0, 3e-6)),
+                         propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 2e-4), rng.uniform(0, 1e-3)))
+        pol = DynamicPolicy(cost, probe_every=0, objective="latency")
+        reqs = [PolicyInput(int(rng.integers(0, big_k + 1)), sorted(rng.uniform(0.05, 1.0, big_k), reverse=True))
+                for _ in range(b)]
+        context = int(rng.integers(0, 20000))
+
+        def value(ks):
+            return _mean_latency_value(reqs, ks, cost.step_seconds(b, sum(ks), context, max(ks)))
+
+        best = max(value(list(alt)) for alt in itertools.product(*[range(r.limit + 1) for r in reqs]))
+        ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context)
+        assert value(ks) >= best * (1 - 1e-12), (trial, ks)
+        big = pol.choose(reqs * 20, base_tokens=20 * b, token_budget=200 * b, context=context)  # numpy path
+        assert big[:b] * 20 == big or value(big[:b]) >= best * (1 - 1e-9)
+
+
+def test_latency_objective_spares_the_slow_requests_the_fast_ones_deep_drafts():
+    """One request accepts almost everything, seven almost nothing. Goodput drafts the fast one
+    deep, lengthening every step; mean latency weighs the seven whose speed that step sets."""
+    cost = CostModel(verify=(4e-3, 4e-4), propose=(0.0, 1e-5, 0.0))
+    reqs = [PolicyInput(4, [0.95] * 4)] + [PolicyInput(4, [0.1] * 4)] * 7
+    good = DynamicPolicy(cost, probe_every=0).choose(reqs, base_tokens=8, token_budget=64)
+    lat = DynamicPolicy(cost, probe_every=0, objective="latency").choose(reqs, base_tokens=8, token_budget=64)
+    assert good == [4] + [0] * 7
+    assert lat[0] < good[0] and sum(lat[1:]) == 0
+    with pytest.raises(ValueError, match="objective"):
+        DynamicPolicy(cost, objective="fast")
 
 
 def test_deep_drafts_for_a_few_are_dropped_when_depth_is_what_costs():
@@ -293,3 +336,13 @@ def test_a_sampled_request_drafts_less_than_a_greedy_one_when_its_logits_rows_ar
     cost.verify.per_logits_row = 0.0  # without that cost they are treated alike
     ks = pol.choose([greedy, sampled] * 8, base_tokens=16, token_budget=512)
     assert ks[0::2] == ks[1::2]
+
+
+def test_the_latency_objective_is_chosen_by_the_policy_parameter():
+    from lightspec_core.config import EngineConfig
+
+    assert EngineConfig(policy="dynamic:latency").policy_objective == "latency"
+    assert EngineConfig(policy="dynamic").policy_objective == "goodput"
+    assert EngineConfig(policy="dynamic:latency").policy_kind == "dynamic"
+    with pytest.raises(ValueError, match="policy"):
+        EngineConfig(policy="dynamic:fast")
