@@ -200,16 +200,16 @@ class PagedBatch:
         by_key: dict[int, list[int]] = {}
         for r, q in enumerate(query_lens):
             by_key.setdefault(_group_key(q), []).append(r)
-        starts = (torch.cumsum(qlens, 0) - qlens).tolist()
+        starts = torch.cumsum(qlens, 0) - qlens
         groups = []
         for members in by_key.values():
             rows = torch.tensor(members, dtype=torch.int64)
             glens = qlens[rows]
             max_q = int(glens.max())
-            token_rows = torch.cat([torch.arange(starts[r], starts[r] + query_lens[r]) for r in members])
             local = torch.repeat_interleave(torch.arange(len(members)), glens)
             gstarts = torch.cumsum(glens, 0) - glens
-            offset = torch.arange(len(token_rows)) - gstarts[local]
+            offset = torch.arange(len(local)) - gstarts[local]
+            token_rows = starts[rows][local] + offset
             query_index = local * max_q + offset
             gpos = positions[token_rows]
             ctx_lens = gpos[gstarts + glens - 1] + 1  # [Bg]
