@@ -192,11 +192,16 @@ class PagedBatch:
         sample_indices: torch.Tensor,
     ) -> PagedBatch:
         """Build the index tensors. ``positions`` of a request's new tokens must be consecutive;
-        its context is every position up to its last new token (earlier ones already in the pool)."""
-        bt = block_tables.to(torch.int64)
+        its context is every position up to its last new token (earlier ones already in the pool).
+
+        The index arithmetic is a few dozen tiny integer ops: it runs on the CPU (on a GPU each would
+        be a kernel launch), and only the finished tensors move to ``input_ids``' device."""
+        dev = input_ids.device
+        positions_cpu = positions.to("cpu", torch.int64)
+        bt = block_tables.to("cpu", torch.int64)
         qlens = torch.tensor(query_lens, dtype=torch.int64)
         req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
-        slot_mapping = bt[req_of_token, positions // block_size] * block_size + positions % block_size
+        slot_mapping = bt[req_of_token, positions_cpu // block_size] * block_size + positions_cpu % block_size
         by_key: dict[int, list[int]] = {}
         for r, q in enumerate(query_lens):
             by_key.setdefault(_group_key(q), []).append(r)
@@ -211,7 +216,7 @@ class PagedBatch:
             offset = torch.arange(len(local)) - gstarts[local]
             token_rows = starts[rows][local] + offset
             query_index = local * max_q + offset
-            gpos = positions[token_rows]
+            gpos = positions_cpu[token_rows]
             ctx_lens = gpos[gstarts + glens - 1] + 1  # [Bg]
             max_c = int(ctx_lens.max())
             c = torch.arange(max_c)
@@ -225,13 +230,14 @@ class PagedBatch:
             # so give them key 0 to keep softmax finite (their output is discarded).
             mask = c.view(1, 1, max_c) <= q_pos.unsqueeze(-1)
             mask[:, :, 0] |= q_pos < 0
-            groups.append(AttnGroup(token_rows, query_index, context_slots, mask.unsqueeze(1), len(members), max_q))
+            groups.append(AttnGroup(token_rows.to(dev), query_index.to(dev), context_slots.to(dev),
+                                    mask.unsqueeze(1).to(dev), len(members), max_q))
         return cls(
             input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
+            positions=positions.to(dev),
+            slot_mapping=slot_mapping.to(dev),
             groups=groups,
-            sample_indices=sample_indices,
+            sample_indices=sample_indices.to(dev),
             num_requests=len(query_lens),
         )
 

@@ -93,13 +93,13 @@ class ModelRunner:
 
     def execute(self, call: ModelCall) -> ModelResult:
         dev = self.device
-        batch = PagedBatch.build(
+        batch = PagedBatch.build(  # index tensors built on the CPU, then moved to ``dev``
             torch.from_numpy(np.ascontiguousarray(call.input_ids, dtype=np.int64)).to(dev),
-            torch.from_numpy(np.ascontiguousarray(call.positions, dtype=np.int64)).to(dev),
+            torch.from_numpy(np.ascontiguousarray(call.positions, dtype=np.int64)),
             [int(q) for q in call.query_lens],
-            torch.from_numpy(np.ascontiguousarray(call.block_tables, dtype=np.int32)).to(dev),
+            torch.from_numpy(np.ascontiguousarray(call.block_tables, dtype=np.int32)),
             self.block_size,
-            torch.from_numpy(np.ascontiguousarray(call.sample_indices, dtype=np.int64)).to(dev),
+            torch.from_numpy(np.ascontiguousarray(call.sample_indices, dtype=np.int64)),
         )
         with torch.inference_mode():
             hidden = self.model.forward_paged(batch, self.kv)
