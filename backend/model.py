@@ -113,14 +113,16 @@ class _StageModelAdapter:
 
 def _stage(args: dict, config) -> _StageModelAdapter:
     import torch
+    from lightspec_backend.params import available_cpus, stage_threads
     from lightspec_backend.stage import StageModel
 
     from lightspec_core.engine import resolve_dirs
     from lightspec_core.stages import ModelRunner, MTPRunner
 
     cfg = config.engine
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    threads = stage_threads(cfg.num_threads, available_cpus())
+    torch.set_num_threads(threads)
+    pb_utils.Logger.log_info(f"[lightspec] {config.role.value} stage: {threads} torch thread(s)")
     device = cfg.device
     if args.get("model_instance_kind") == "GPU":
         device = f"cuda:{args['model_instance_device_id']}"

@@ -85,7 +85,7 @@ def default_parameters() -> dict[str, str]:
         elif key == "num_threads":
             # The orchestrator's own torch work (MTP heads at mtp_model=local, rejection sampling) is
             # many small kernels: a second intra-op thread barely speeds them up, and its spinning
-            # worker takes a core from the target stage's process. Stages keep torch's default.
+            # worker takes a core from the target stage's process. Stages: one thread per CPU but one.
             out[key] = "1"
         elif key in ("target_model", "draft_model"):
             out[key] = next(d for p, d in STAGE_MODEL_PARAMS.values() if p == key)

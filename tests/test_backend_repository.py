@@ -3,11 +3,12 @@ matching the stage dataclasses."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
-from lightspec_backend.params import parse_backend_config, read_config_parameters
+from lightspec_backend.params import available_cpus, parse_backend_config, read_config_parameters, stage_threads
 from lightspec_backend.repository import render_repository, stage_field_names, write_model_repository
 from lightspec_backend.tensors import INPUTS, OUTPUTS
 from tritonclient.grpc import model_config_pb2
@@ -84,13 +85,16 @@ def test_parameter_values_are_quoted(tmp_path):
     assert read_config_parameters(repo / "lightspec" / "config.pbtxt")["model_dir"] == 'we"ird\\path'
 
 
-def test_orchestrator_runs_one_torch_thread_and_stages_keep_the_default():
+def test_orchestrator_runs_one_torch_thread_and_stages_leave_it_a_core():
     """The orchestrator's own torch work is small kernels (local MTP heads, rejection sampling): it
-    defaults to one intra-op thread, so no spinning worker of its takes a core from the target
-    stage; the stages keep torch's default unless ``num_threads`` is set for all models."""
+    defaults to one intra-op thread. A stage without ``num_threads`` takes one thread per CPU but
+    one, so the two processes never ask for more threads than there are CPUs."""
     repo = render_repository()
     assert parse(repo["lightspec"]).parameters["num_threads"].string_value == "1"
     assert "num_threads" not in parse(repo["lightspec_target"]).parameters
     forced = render_repository({"num_threads": "2"})
     assert parse(forced["lightspec"]).parameters["num_threads"].string_value == "2"
     assert parse(forced["lightspec_target"]).parameters["num_threads"].string_value == "2"
+    assert [stage_threads(0, cpus) for cpus in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert stage_threads(2, 2) == 2  # an explicit setting wins, even one that oversubscribes
+    assert 1 <= available_cpus() <= (os.cpu_count() or 1)
