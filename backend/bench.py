@@ -340,6 +340,9 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
         "scheduler_p99_ms",
         "scheduler_cpu_p99_ms",
         "preemptions",
+        "engine_steps",
+        "target_stage_ms",
+        "propose_stage_ms",
     )
     if before is None or after is None:
         return dict.fromkeys(keys)
@@ -352,6 +355,16 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
     sched = histogram_delta(before, after, "scheduler_decision_seconds", model)
     p50, p99 = histogram_quantile(0.5, sched), histogram_quantile(0.99, sched)
     cpu99 = histogram_quantile(0.99, histogram_delta(before, after, "scheduler_decision_cpu_seconds", model))
+
+    def stage_ms(*stages: str) -> float | None:
+        """Mean latency of one call of these stages (the propose stage is named by its method)."""
+        n = sum(d_l("stage_latency_seconds_count", stage=st) for st in stages)
+        return 1000 * sum(d_l("stage_latency_seconds_sum", stage=st) for st in stages) / n if n else None
+
+    def d_l(name: str, **labels: str) -> float:
+        return metric(after, name, model, **labels) - metric(before, name, model, **labels)
+
+    engine_steps = d("engine_steps_total")
     return {
         "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
         "mean_draft_tokens_per_step": d("draft_tokens_per_step_sum") / k_count if k_count else None,
@@ -359,6 +372,11 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
         "scheduler_p99_ms": None if p99 is None else 1000 * p99,
         "scheduler_cpu_p99_ms": None if cpu99 is None else 1000 * cpu99,
         "preemptions": int(d("num_preemptions_total")),
+        # Where a step's time goes: the engine's step count (duration / steps is the mean step) and
+        # the mean stage calls; the rest of a step is the engine, BLS transfers and responses.
+        "engine_steps": int(engine_steps),
+        "target_stage_ms": stage_ms("target"),
+        "propose_stage_ms": stage_ms("mtp", "draft", "ngram"),
     }
 
 
@@ -624,6 +642,9 @@ COLUMNS = [
     ("k/step", 6, "mean_draft_tokens_per_step", _num(".2f")),
     ("sched p99 ms", 12, "scheduler_p99_ms", _num(".3f")),
     ("cpu p99 ms", 10, "scheduler_cpu_p99_ms", _num(".3f")),
+    ("step ms", 7, "step_ms", _num(".2f")),
+    ("target ms", 9, "target_stage_ms", _num(".2f")),
+    ("propose ms", 10, "propose_stage_ms", _num(".2f")),
 ]
 
 
@@ -850,6 +871,8 @@ def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan:
         **client_stats(records, duration),
         **server_stats(before, after, model),
     }
+    steps = run.get("engine_steps")
+    run["step_ms"] = 1000 * duration / steps if steps and duration else None
     kinds = kind_stats(records)
     if len(kinds) > 1:
         run["by_kind"] = kinds

@@ -222,3 +222,26 @@ def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_mode
     assert re.search(r"none\s+none\s+c=1\s+[\d.]+\s+1\.00x\s+[\d.]+\s+1\.00x", printed), printed
     assert re.search(r"dynamic\s+mtp\s+c=2\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+x", printed), printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_server_stats_split_a_step_into_stage_calls():
+    """Mean target and propose stage latency per call and the engine's step count, as differences."""
+    def expo(steps, tgt_sum, tgt_n, mtp_sum, mtp_n):
+        lab = 'model="m",version="1"'
+        return "\n".join([
+            f"lightspec:engine_steps_total{{{lab}}} {steps}",
+            f'lightspec:stage_latency_seconds_sum{{{lab},stage="target"}} {tgt_sum}',
+            f'lightspec:stage_latency_seconds_count{{{lab},stage="target"}} {tgt_n}',
+            f'lightspec:stage_latency_seconds_sum{{{lab},stage="mtp"}} {mtp_sum}',
+            f'lightspec:stage_latency_seconds_count{{{lab},stage="mtp"}} {mtp_n}',
+            f'lightspec:stage_latency_seconds_sum{{model="other",stage="target"}} 99',
+            f'lightspec:stage_latency_seconds_count{{model="other",stage="target"}} 1',
+        ]) + "\n"
+    before = bench.parse_metrics(expo(5, 0.010, 5, 0.004, 4))
+    after = bench.parse_metrics(expo(105, 0.310, 105, 0.104, 54))
+    s = bench.server_stats(before, after, "m")
+    assert s["engine_steps"] == 100
+    assert s["target_stage_ms"] == pytest.approx(3.0)
+    assert s["propose_stage_ms"] == pytest.approx(2.0)
+    none = bench.server_stats(before, before, "m")  # no calls between the scrapes: no mean
+    assert none["target_stage_ms"] is None and none["propose_stage_ms"] is None
