@@ -121,8 +121,10 @@ def _stage(args: dict, config) -> _StageModelAdapter:
 
     cfg = config.engine
     threads = stage_threads(cfg.num_threads, available_cpus())
-    torch.set_num_threads(threads)
-    pb_utils.Logger.log_info(f"[lightspec] {config.role.value} stage: {threads} torch thread(s)")
+    pb_utils.Logger.log_info(
+        f"[lightspec] {config.role.value} stage: {threads.small} torch thread(s) for calls under "
+        f"{threads.large_call_tokens} tokens, {threads.large} for larger ones"
+    )
     device = cfg.device
     if args.get("model_instance_kind") == "GPU":
         device = f"cuda:{args['model_instance_device_id']}"
@@ -132,4 +134,4 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     else:
         path = target if config.role is Role.TARGET else draft
         runner = ModelRunner(path, cfg.num_kv_blocks, cfg.block_size, device)
-    return _StageModelAdapter(StageModel(config.role, runner, pb_utils))
+    return _StageModelAdapter(StageModel(config.role, runner, pb_utils, threads=threads, set_threads=torch.set_num_threads))

@@ -69,16 +69,33 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def stage_threads(configured: int, cpus: int) -> int:
-    """Torch intra-op threads of a stage model's process: ``num_threads`` when set, else one per
-    CPU but one, left to the orchestrator's process (engine loop, local MTP heads, responses).
+@dataclass(frozen=True)
+class StageThreads:
+    """Torch intra-op threads of a stage model's process, per call: ``small`` for calls of fewer than
+    ``large_call_tokens`` tokens, ``large`` for the others."""
 
-    Measured with the default model on 2 cores (README, Benchmarks): a stage with torch's default of
-    one thread per core shares both cores with the orchestrator, and its OpenMP worker, which spins
-    for milliseconds after each parallel region, holds the core the orchestrator needs next. One
-    thread instead of two: the mean c=1 step went from 4.4 to 3.7-3.8 ms without speculation and
-    from 8.2 to 6.6-7.6 ms with 4 MTP drafts; c=16 and c=64 were within the runs' noise."""
-    return configured if configured > 0 else max(1, cpus - 1)
+    small: int
+    large: int
+    large_call_tokens: int = 64
+
+    def for_call(self, num_tokens: int) -> int:
+        return self.large if num_tokens >= self.large_call_tokens else self.small
+
+
+def stage_threads(configured: int, cpus: int) -> StageThreads:
+    """``num_threads`` when set, for every call. Otherwise a small call (a few requests' tokens) gets
+    one thread per CPU but one, leaving a core to the orchestrator's process (engine loop, local MTP
+    heads, responses), and a large call one per CPU.
+
+    Measured with the default model on 2 cores (README, Benchmarks). A small call has little to
+    split, and a second OpenMP worker, which spins for milliseconds after each parallel region, holds
+    the core the orchestrator needs next: one thread instead of two took the mean c=1 step from 4.4
+    to 3.7-4.0 ms without speculation and from 8.2 to 6.6-7.6 ms with 4 MTP drafts. A verification
+    call of 64 requests x 5 tokens is compute: with one thread the target call at c=64 took 62-68 ms
+    against 47-56 ms with two, and speculation lost 5-15 % of its throughput."""
+    if configured > 0:
+        return StageThreads(configured, configured)
+    return StageThreads(max(1, cpus - 1), cpus)
 
 
 def flatten_parameters(model_config: dict) -> dict[str, str]:

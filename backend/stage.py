@@ -14,17 +14,28 @@ import numpy as np
 
 from lightspec_core.stages import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
 
-from .params import Role
+from .params import Role, StageThreads
 
 CALL_TYPES = {Role.TARGET: ModelCall, Role.DRAFT: ModelCall, Role.MTP: MTPCall}
 RESULT_TYPES = {Role.TARGET: ModelResult, Role.DRAFT: ModelResult, Role.MTP: MTPResult}
 
 
+def call_tokens(call) -> int:
+    """The work of a call: packed tokens of a model step, drafts of an MTP call."""
+    return int(call.input_ids.size) if isinstance(call, ModelCall) else int(np.asarray(call.num_tokens).sum())
+
+
 class StageModel:
-    def __init__(self, role: Role, runner, pb_utils):
+    def __init__(self, role: Role, runner, pb_utils, threads: StageThreads | None = None, set_threads=None):
+        """``threads``/``set_threads`` (e.g. ``torch.set_num_threads``): pick the intra-op thread count
+        per call by its size (see :func:`~lightspec_backend.params.stage_threads`); without them the
+        process keeps whatever it has."""
         self.call_cls = CALL_TYPES[role]
         self.runner = runner
         self.pb = pb_utils
+        self.threads = threads
+        self.set_threads = set_threads
+        self._current_threads = None
 
     def execute(self, requests: list) -> list:
         return [self._one(r) for r in requests]
@@ -39,6 +50,11 @@ class StageModel:
                     raise ValueError(f"{f.name}: missing input tensor")
                 tensors[f.name] = t.as_numpy()
             call = from_tensors(self.call_cls, tensors)
+            if self.threads is not None and self.set_threads is not None:
+                n = self.threads.for_call(call_tokens(call))
+                if n != self._current_threads:
+                    self.set_threads(n)
+                    self._current_threads = n
             result = self.runner.execute(call)
         except ValueError as e:
             return pb.InferenceResponse(error=pb.TritonError(str(e), pb.TritonError.INVALID_ARG))

@@ -98,3 +98,28 @@ def test_stage_failure_finishes_requests_with_error(smoke_model):
     (out,) = engine.generate(["x = 1"], SamplingParams(max_tokens=4))
     engine.close()
     assert out.finish_reason == "error" and "out of memory" in out.error
+
+
+def test_stage_model_sets_torch_threads_by_call_size(smoke_model):
+    """Small calls run on the small thread count, large ones on the large; the count is only set when
+    it changes (``torch.set_num_threads`` is not free)."""
+    from lightspec_backend.params import StageThreads
+
+    target, _, _ = resolve_dirs(config(smoke_model, "none"))
+    pb = FakePbUtils()
+    calls = []
+    pb.models["t"] = StageModel(Role.TARGET, ModelRunner(target, BLOCKS, BLOCK), pb,
+                                threads=StageThreads(small=1, large=3, large_call_tokens=8), set_threads=calls.append)
+    ex = BLSExecutor({"target": "t"}, pb)
+
+    def step(n):
+        res = ex.submit("target", ModelCall(
+            np.arange(3, 3 + n, dtype=np.int64), np.arange(n, dtype=np.int64), np.array([n], np.int32),
+            np.arange(2, dtype=np.int32).reshape(1, 2), np.array([n - 1], np.int64), np.array([False]),
+            np.array([False]))).result()
+        assert res.top1_ids.shape == (1,)
+
+    for n in (4, 5, 8, 20, 3):
+        step(n)
+    ex.close()
+    assert calls == [1, 3, 1]

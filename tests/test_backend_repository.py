@@ -88,13 +88,17 @@ def test_parameter_values_are_quoted(tmp_path):
 def test_orchestrator_runs_one_torch_thread_and_stages_leave_it_a_core():
     """The orchestrator's own torch work is small kernels (local MTP heads, rejection sampling): it
     defaults to one intra-op thread. A stage without ``num_threads`` takes one thread per CPU but
-    one, so the two processes never ask for more threads than there are CPUs."""
+    one for small calls, so the two processes do not ask for more threads than there are CPUs, and
+    every CPU for large ones (the orchestrator waits on those)."""
     repo = render_repository()
     assert parse(repo["lightspec"]).parameters["num_threads"].string_value == "1"
     assert "num_threads" not in parse(repo["lightspec_target"]).parameters
     forced = render_repository({"num_threads": "2"})
     assert parse(forced["lightspec"]).parameters["num_threads"].string_value == "2"
     assert parse(forced["lightspec_target"]).parameters["num_threads"].string_value == "2"
-    assert [stage_threads(0, cpus) for cpus in (1, 2, 4, 16)] == [1, 1, 3, 15]
-    assert stage_threads(2, 2) == 2  # an explicit setting wins, even one that oversubscribes
+    auto = [stage_threads(0, cpus) for cpus in (1, 2, 4, 16)]
+    assert [(t.small, t.large) for t in auto] == [(1, 1), (1, 2), (3, 4), (15, 16)]
+    assert [auto[1].for_call(n) for n in (1, 5, 63, 64, 320)] == [1, 1, 1, 2, 2]
+    fixed = stage_threads(2, 2)  # an explicit setting wins for every call, even one that oversubscribes
+    assert (fixed.for_call(1), fixed.for_call(1000)) == (2, 2)
     assert 1 <= available_cpus() <= (os.cpu_count() or 1)
