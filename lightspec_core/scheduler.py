@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, blocks_for
-from .policy import AcceptanceStats, PolicyInput, request_alphas
+from .policy import ALPHA_STRENGTH, AcceptanceStats, PolicyInput, request_alphas
 from .sequence import Sequence, Status
 
 
@@ -85,16 +85,27 @@ class Scheduler:
         plan = StepPlan()
         in_plan: set[str] = set()
         budget = self.token_budget
+        items = plan.items
+        tables, bs, running = self.blocks.tables, self.blocks.block_size, Status.RUNNING
         for seq in list(self.running):
-            if len(plan.items) >= max_seqs or budget <= 0:
+            if len(items) >= max_seqs or budget <= 0:
                 break
-            if seq.request_id in busy or seq.status is not Status.RUNNING:
+            rid = seq.request_id
+            if rid in busy or seq.status is not running:
                 continue
-            item = self._schedule_running(seq, budget, busy, in_plan)
-            if item is not None:
-                plan.items.append(item)
-                in_plan.add(seq.request_id)
-                budget -= item.num_new
+            # the common case inline (a decoding request whose slots exist): this loop runs for
+            # every running request every step
+            todo = len(seq.token_ids) - seq.num_computed
+            n = todo if todo < budget else budget
+            if len(tables.get(rid, ())) * bs >= seq.num_computed + n:
+                item = ScheduledSeq(seq, n, 0, n == todo)
+            else:
+                item = self._schedule_running(seq, budget, busy, in_plan)
+                if item is None:
+                    continue
+            items.append(item)
+            in_plan.add(rid)
+            budget -= item.num_new
         budget = self._admit(plan, in_plan, budget, max_seqs)
         plan.prefill_tokens = sum(it.num_new for it in plan.items if not it.seq.is_decoding)
         self._choose_drafts(plan, budget)
@@ -169,6 +180,7 @@ class Scheduler:
         inputs = []
         # one pass per request, the hot loop of a decision at 256 requests: no helper calls beyond
         # the acceptance smoothing (same results as draft_cap() and the block manager's queries)
+        strength = ALPHA_STRENGTH
         for it in cands:
             seq = it.seq
             params = seq.params
@@ -178,9 +190,16 @@ class Scheduler:
             cap = min(cap, params.max_tokens - (n_tok - seq.prompt_len) - 1)
             room = len(tables[seq.request_id]) * bs - n_tok + free_slots  # slots after the newest token
             limit = max(0, min(cap, room))
-            sampled = not params.greedy
-            inputs.append(PolicyInput(limit, request_alphas(seq.pos_reached, seq.pos_accepted, rates[sampled], limit)
-                                      if limit else [], sampled))
+            sampled = params.temperature != 0.0
+            if limit:  # request_alphas() inline
+                g = rates[sampled]
+                reached, accepted = seq.pos_reached, seq.pos_accepted
+                n = len(reached)
+                alphas = [(accepted[j] + strength * g[j]) / (reached[j] + strength) if j < n else g[j]
+                          for j in range(limit)]
+            else:
+                alphas = []
+            inputs.append(PolicyInput(limit, alphas, sampled))
         base = sum(it.num_new for it in plan.items)
         context = len(plan.items) * max(it.start + it.num_new for it in plan.items)
         ks = self.policy.choose(inputs, base, base + budget, context, plan.prefill_tokens, len(plan.items))

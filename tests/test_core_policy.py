@@ -355,3 +355,44 @@ def test_the_latency_objective_is_chosen_by_the_policy_parameter():
     assert EngineConfig(policy="dynamic:latency").policy_kind == "dynamic"
     with pytest.raises(ValueError, match="policy"):
         EngineConfig(policy="dynamic:fast")
+
+
+def test_the_scheduler_hands_the_policy_request_alphas_estimates():
+    """The scheduler computes each request's smoothed rates inline (its per-request loop is the hot
+    path of a decision); they must be exactly what ``request_alphas`` gives, per mode."""
+    from lightspec_core.block_manager import BlockManager
+    from lightspec_core.config import SamplingParams
+    from lightspec_core.scheduler import Scheduler
+    from lightspec_core.sequence import Sequence
+
+    class Recorder(StaticPolicy):
+        def choose(self, reqs, *a, **kw):
+            self.seen = reqs
+            return super().choose(reqs, *a, **kw)
+
+    acc = AcceptanceStats(4)
+    for _ in range(5):
+        acc.observe(4, 2)  # greedy rates move away from the prior; sampled ones stay at it
+    pol = Recorder(4)
+    sched = Scheduler(BlockManager(64, 16), pol, acc, max_num_seqs=8, max_num_batched_tokens=64,
+                      max_draft_tokens=4, kv_high_water=0.95, speculative=True)
+    seqs = []
+    for i, temp in enumerate([0.0, 0.7]):
+        s = Sequence(f"r{i}", list(range(3, 23)), SamplingParams(max_tokens=50, temperature=temp), detok=None,
+                     seed=i, arrival=i)
+        sched.add(s)
+        seqs.append(s)
+    for it in sched.schedule().items:  # admission: the prompts are prefilled
+        it.seq.num_computed += it.num_new
+        it.seq.token_ids.append(5)  # the first generated token
+        it.seq.warm = True
+    for s in seqs:  # some draft history of their own
+        s.record_acceptance(3, 1)
+        s.record_acceptance(2, 2)
+    sched.schedule()
+    assert len(pol.seen) == 2
+    for inp, s in zip(pol.seen, seqs):
+        sampled = s.params.temperature > 0
+        assert inp.sampled == sampled and inp.limit == 4
+        assert inp.alphas == request_alphas(s.pos_reached, s.pos_accepted, acc.rates(sampled).tolist(), 4)
+    assert pol.seen[0].alphas != pol.seen[1].alphas  # the two modes' global rates differ
