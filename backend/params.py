@@ -89,10 +89,10 @@ def stage_threads(configured: int, cpus: int) -> StageThreads:
 
     Measured with the default model on 2 cores (README, Benchmarks). A small call has little to
     split, and a second OpenMP worker, which spins for milliseconds after each parallel region, holds
-    the core the orchestrator needs next: one thread instead of two took the mean c=1 step from 4.4
-    to 3.7-4.0 ms without speculation and from 8.2 to 6.6-7.6 ms with 4 MTP drafts. A verification
-    call of 64 requests x 5 tokens is compute: with one thread the target call at c=64 took 62-68 ms
-    against 47-56 ms with two, and speculation lost 5-15 % of its throughput."""
+    the core the orchestrator needs next: in back-to-back c=1 runs one thread instead of two took the
+    mean step from 4.38 to 3.79 ms without speculation and from 8.24 to 6.61 ms with 4 MTP drafts. A
+    verification call of 64 requests x 5 tokens is compute: with one thread for every call the target
+    call at c=64 took 62-68 ms against 47-56 ms with two."""
     if configured > 0:
         return StageThreads(configured, configured)
     return StageThreads(max(1, cpus - 1), cpus)
