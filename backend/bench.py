@@ -347,8 +347,8 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
     if before is None or after is None:
         return dict.fromkeys(keys)
 
-    def d(name: str) -> float:
-        return metric(after, name, model) - metric(before, name, model)
+    def d(name: str, **labels: str) -> float:
+        return metric(after, name, model, **labels) - metric(before, name, model, **labels)
 
     steps, accepted = d("spec_decode_num_steps_total"), d("spec_decode_num_accepted_tokens_total")
     k_count = d("draft_tokens_per_step_count")
@@ -358,11 +358,8 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
 
     def stage_ms(*stages: str) -> float | None:
         """Mean latency of one call of these stages (the propose stage is named by its method)."""
-        n = sum(d_l("stage_latency_seconds_count", stage=st) for st in stages)
-        return 1000 * sum(d_l("stage_latency_seconds_sum", stage=st) for st in stages) / n if n else None
-
-    def d_l(name: str, **labels: str) -> float:
-        return metric(after, name, model, **labels) - metric(before, name, model, **labels)
+        n = sum(d("stage_latency_seconds_count", stage=st) for st in stages)
+        return 1000 * sum(d("stage_latency_seconds_sum", stage=st) for st in stages) / n if n else None
 
     engine_steps = d("engine_steps_total")
     return {

@@ -261,9 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.heads_from is not None:
         return continue_heads(a, pr, log, t_start)
 
-    train_files, valid_files = stdlib_files()
-    if pr["max_files"]:
-        train_files, valid_files = train_files[: pr["max_files"]], valid_files[: pr["max_files"] // 2]
+    train_files, valid_files = corpus_files(pr["max_files"])
     train_texts, valid_texts = read_texts(train_files), read_texts(valid_files)
     log(f"{len(train_texts)} train files, {len(valid_texts)} held-out files")
     tok = train_tokenizer(train_texts, pr["vocab"])
@@ -321,13 +319,19 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def corpus_files(max_files: int | None):
+    """The training and held-out standard-library files, the first ``max_files`` (half as many held out)."""
+    train_files, valid_files = stdlib_files()
+    if max_files:
+        train_files, valid_files = train_files[:max_files], valid_files[: max_files // 2]
+    return train_files, valid_files
+
+
 def load_corpus(tok_dir: Path, max_files: int | None):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    train_files, valid_files = stdlib_files()
-    if max_files:
-        train_files, valid_files = train_files[:max_files], valid_files[: max_files // 2]
+    train_files, valid_files = corpus_files(max_files)
     return encode_corpus(tok, read_texts(train_files)), encode_corpus(tok, read_texts(valid_files))
 
 
