@@ -64,12 +64,14 @@ class RunConfig:
     """One server configuration: a speculation method and policy, served by its own orchestrator.
 
     ``config`` is the user's label: ``none``, ``dynamic``, ``static`` or ``static:K``, optionally
-    suffixed ``@2`` for pipeline depth 2. The ``none`` baseline has ``method == "none"``."""
+    suffixed ``@2`` for pipeline depth 2; ``dynamic+stop`` is the dynamic policy with its MTP
+    confidence stop (``confidence_stop: on``). The ``none`` baseline has ``method == "none"``."""
 
     config: str
     method: str
     policy: str  # the orchestrator's policy parameter
     pipeline_depth: int = 1
+    confidence_stop: bool = False
 
     @property
     def model_name(self) -> str:
@@ -77,6 +79,7 @@ class RunConfig:
             name = "lightspec_none"
         else:
             name = f"lightspec_{self.method}_{self.policy.replace(':', '_')}"
+            name += "_stop" if self.confidence_stop else ""
         return name + (f"_d{self.pipeline_depth}" if self.pipeline_depth != 1 else "")
 
     @property
@@ -86,12 +89,15 @@ class RunConfig:
     def parameters(self, max_draft_tokens: int) -> dict[str, str]:
         """The orchestrator parameters that make this configuration."""
         k = self.static_k or 0
-        return {
+        out = {
             "speculation": self.method,
             "policy": self.policy,
             "max_draft_tokens": str(max(max_draft_tokens, k)),
             "pipeline_depth": str(self.pipeline_depth),
         }
+        if self.confidence_stop:
+            out["confidence_stop"] = "on"
+        return out
 
 
 def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
@@ -111,10 +117,11 @@ def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
         if label in ("none", "off"):
             out.append(RunConfig(spec, "none", "off", depth_n))
             continue
-        if not re.fullmatch(r"dynamic(:latency)?|static(:\d+)?", label):
+        if not re.fullmatch(r"dynamic(:latency)?(\+stop)?|static(:\d+)?", label):
             raise SystemExit(f"--configs {spec!r}: expected none, dynamic, dynamic:latency, static or static:K "
-                             "(optionally @2)")
-        out += [RunConfig(spec, m, label, depth_n) for m in methods]
+                             "(optionally @2; dynamic+stop: with the MTP confidence stop)")
+        policy, stop = label.removesuffix("+stop"), label.endswith("+stop")
+        out += [RunConfig(spec, m, policy, depth_n, stop) for m in methods]
     if len({c.model_name for c in out}) != len(out):
         raise SystemExit(f"--configs {' '.join(configs)}: a configuration is listed twice")
     return out

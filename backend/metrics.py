@@ -35,6 +35,7 @@ DESCRIPTIONS = {
     "spec_decode_num_accepted_tokens_per_pos_total": "Draft tokens accepted, per draft position",
     "spec_decode_num_draft_tokens_per_pos_total": "Draft tokens proposed, per draft position",
     "spec_decode_num_steps_total": "Request-steps that carried at least one draft token",
+    "spec_decode_num_stopped_drafts_total": "Draft slots the dynamic policy granted but a confidence stop left out",
     "num_preemptions_total": "Requests preempted for KV memory",
     "generation_tokens_total": "Generated tokens",
     "prompt_tokens_total": "Prompt tokens processed",

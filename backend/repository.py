@@ -47,10 +47,13 @@ STAGE_TENSORS: dict[type, list[TensorSpec]] = {
         TensorSpec("top_p", "FP32", (-1,), optional=False),
         TensorSpec("uniforms", "FP32", (-1, -1), optional=False),
         TensorSpec("return_probs", "BOOL", (1,), optional=False),
+        TensorSpec("min_gain", "FP32", (-1,), optional=False),
+        TensorSpec("calibration", "FP32", (-1, -1, -1), optional=False),
     ],
     MTPResult: [
         TensorSpec("draft_ids", "INT64", (-1, -1)),
         TensorSpec("draft_probs", "FP32", (-1, -1, -1)),
+        TensorSpec("draft_conf", "FP32", (-1, -1)),
     ],
 }
 STAGE_IO = {

@@ -25,7 +25,7 @@ from .calibrate import ProfileSpec, calibrate
 from .config import EngineConfig, SamplingParams, SpecMethod
 from .model import LlamaConfig
 from .outputs import RequestDelta, RequestOutput
-from .policy import AcceptanceStats, CostModel, DynamicPolicy, StaticPolicy
+from .policy import AcceptanceStats, ConfidenceStats, CostModel, DynamicPolicy, StaticPolicy
 from .proposers import DraftModelProposer, MTPProposer, NgramProposer, NoProposer, Proposal
 from .sampling import probs_from_logits
 from .scheduler import Scheduler, StepPlan
@@ -96,6 +96,9 @@ class LLMEngine:
         k = cfg.max_draft_tokens if cfg.speculative else 0
         self.stats = RuntimeStats(max(k, 1))
         self.acceptance = AcceptanceStats(max(k, 1))
+        # the dynamic policy's MTP drafts stop at a confidence floor (see ConfidenceStats)
+        self.confidence = (ConfidenceStats(k) if k and cfg.method is SpecMethod.MTP and cfg.policy_kind == "dynamic"
+                           and cfg.confidence_stop else None)
         self.cost = CostModel()
         self._profile_pending = cfg.speculative and cfg.policy_kind == "dynamic" and cfg.profile_stages
         policy = (DynamicPolicy(self.cost, objective=cfg.policy_objective) if cfg.policy_kind == "dynamic"
@@ -119,7 +122,7 @@ class LLMEngine:
         if k == 0 or m is SpecMethod.NONE:
             return NoProposer()
         if m is SpecMethod.MTP:
-            return MTPProposer(self.executor, k)
+            return MTPProposer(self.executor, k, self.confidence)
         if m is SpecMethod.DRAFT:
             return DraftModelProposer(self.executor)
         return NgramProposer(self.config.ngram_max, self.config.ngram_min)
@@ -225,9 +228,12 @@ class LLMEngine:
     def _launch(self, plan: StepPlan) -> InFlight:
         t0 = time.perf_counter()
         tables = [self.blocks.table(it.seq.request_id) for it in plan.items]
-        props = self.proposer.propose([it.seq for it in plan.items], [it.k for it in plan.items], tables)
+        props = self.proposer.propose([it.seq for it in plan.items], [it.k for it in plan.items], tables,
+                                      [it.min_gain for it in plan.items])
         t1 = time.perf_counter()
         num_drafts = sum(len(p.draft_ids) for p in props)
+        if self.confidence is not None:
+            self.stats.counters["spec_decode_num_stopped_drafts_total"] += sum(it.k for it in plan.items) - num_drafts
         if num_drafts:
             self.stats.observe("stage_latency_seconds", t1 - t0, {"stage": self.config.method.value})
             self.cost.observe_propose(num_drafts, max(len(p.draft_ids) for p in props), t1 - t0)
@@ -313,6 +319,8 @@ class LLMEngine:
                 seq.record_acceptance(len(drafts), accepted)
                 self.acceptance.observe(len(drafts), accepted, not seq.params.greedy)
                 self.stats.observe_verification(len(drafts), accepted)
+                if pr.conf is not None:
+                    self.confidence.observe(pr.conf, accepted, not seq.params.greedy)
             seq.num_computed += it.num_new + accepted
             seq.num_steps += 1
             seq.warm = True

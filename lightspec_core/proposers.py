@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .policy import ConfidenceStats
 from .sampling import probs_from_logits
 from .sequence import Sequence
 from .stages import Executor, ModelCall, MTPCall, pack_block_tables
@@ -22,10 +23,15 @@ from .stages import Executor, ModelCall, MTPCall, pack_block_tables
 class Proposal:
     draft_ids: list[int]
     q: np.ndarray | None  # fp32 [len(draft_ids), V]
+    conf: list[float] | None = None  # the proposer's probability of each draft (MTP with a confidence stop)
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence], ks: list[int], tables: list[list[int]]) -> list[Proposal]: ...
+    def propose(self, seqs: list[Sequence], ks: list[int], tables: list[list[int]],
+                floors: list[float] | None = None) -> list[Proposal]:
+        """``floors``: per request, the least cumulative acceptance probability worth a draft (a
+        proposer that can estimate one stops drafting below it; the others ignore it)."""
+        ...
 
 
 EMPTY = Proposal([], None)
@@ -44,23 +50,28 @@ def _drafting(ks: list[int]) -> tuple[list[int], list[Proposal]]:
 
 
 class NoProposer:
-    def propose(self, seqs, ks, tables):
+    def propose(self, seqs, ks, tables, floors=None):
         return [EMPTY for _ in seqs]
 
 
 class MTPProposer:
-    """Chain of the target's MTP heads, run on the ``mtp`` stage."""
+    """Chain of the target's MTP heads, run on the ``mtp`` stage. With ``confidence`` (the dynamic
+    policy's calibration of head confidence against acceptance) a request's chain stops at its
+    floor (see ``MTPCall``), and each draft's confidence comes back for the calibration."""
 
-    def __init__(self, executor: Executor, max_k: int):
+    def __init__(self, executor: Executor, max_k: int, confidence: ConfidenceStats | None = None):
         self.executor = executor
         self.max_k = max_k
+        self.confidence = confidence
 
-    def propose(self, seqs, ks, tables):
+    def propose(self, seqs, ks, tables, floors=None):
         idx, out = _drafting(ks)
         if not idx:
             return out
         sub = [seqs[i] for i in idx]
         temp, top_k, top_p = _sampling_arrays(sub)
+        stop = self.confidence is not None
+        table = self.confidence.table() if stop else np.zeros((0, 0, 0), np.float32)
         call = MTPCall(
             hidden=np.stack([s.last_hidden for s in sub]).astype(np.float32),
             last_ids=np.array([s.token_ids[-1] for s in sub], np.int64),
@@ -71,12 +82,15 @@ class MTPProposer:
             uniforms=np.stack([s.rng.random(self.max_k, dtype=np.float32) if not s.params.greedy
                                else np.zeros(self.max_k, np.float32) for s in sub]),
             return_probs=np.array([bool((temp > 0).any())]),
+            min_gain=np.array([floors[i] if floors else 0.0 for i in idx], np.float32),
+            calibration=table,
         )
         res = self.executor.submit("mtp", call).result()
         for row, i in enumerate(idx):
-            k = ks[i]
-            q = res.draft_probs[row, :k] if seqs[i].params.temperature > 0 else None
-            out[i] = Proposal([int(t) for t in res.draft_ids[row, :k]], q)
+            drafts = [int(t) for t in res.draft_ids[row, : ks[i]] if t >= 0]  # a stop shortens the chain
+            n = len(drafts)
+            q = res.draft_probs[row, :n] if seqs[i].params.temperature > 0 else None
+            out[i] = Proposal(drafts, q, res.draft_conf[row, :n].tolist() if stop else None)
         return out
 
 
@@ -124,7 +138,7 @@ class DraftModelProposer:
         res = self.executor.submit("draft", call).result()
         return self._pick(seqs, res.logits, res.top1_ids)
 
-    def propose(self, seqs, ks, tables):
+    def propose(self, seqs, ks, tables, floors=None):
         idx, out = _drafting(ks)
         if not idx:
             return out
@@ -177,7 +191,7 @@ class NgramProposer:
                 return [int(t) for t in arr[start : start + k]]
         return []
 
-    def propose(self, seqs, ks, tables):
+    def propose(self, seqs, ks, tables, floors=None):
         out = []
         for s, k in zip(seqs, ks):
             if k <= 0:

@@ -23,6 +23,8 @@ from .block_manager import BlockManager, blocks_for
 from .policy import ALPHA_STRENGTH, AcceptanceStats, PolicyInput, request_alphas
 from .sequence import Sequence, Status
 
+EXPLORE_EVERY = 16  # every 16th step of a request ignores the policy's gain floor
+
 
 @dataclass
 class ScheduledSeq:
@@ -30,6 +32,7 @@ class ScheduledSeq:
     num_new: int  # known tokens fed this step (a prefill chunk, or 1 when decoding)
     k: int = 0  # draft slots reserved this step
     samples: bool = False  # the chunk reaches the newest token: outputs are sampled/verified
+    min_gain: float = 0.0  # least cumulative acceptance probability worth a draft (0: keep all k)
 
     @property
     def start(self) -> int:
@@ -203,6 +206,13 @@ class Scheduler:
         base = sum(it.num_new for it in plan.items)
         context = len(plan.items) * max(it.start + it.num_new for it in plan.items)
         ks = self.policy.choose(inputs, base, base + budget, context, plan.prefill_tokens, len(plan.items))
+        floors = getattr(self.policy, "gain_floors", None)
+        if floors:
+            explore = EXPLORE_EVERY
+            for it, floor in zip(cands, floors):
+                # now and then a request drafts its k whatever the confidence, so that the
+                # acceptance of low-confidence drafts keeps being measured (ConfidenceStats)
+                it.min_gain = floor if it.seq.num_steps % explore != explore - 1 else 0.0
         ensure = self.blocks.ensure
         for it, k in zip(cands, ks):
             if not k:

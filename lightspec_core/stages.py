@@ -10,7 +10,7 @@ tensor name of the stage models (see README "Stage models").
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -53,12 +53,20 @@ class MTPCall:
     top_p: np.ndarray  # fp32 [B]
     uniforms: np.ndarray  # fp32 [B, K] per-request random draws (seeded by the engine)
     return_probs: np.ndarray  # bool [1]
+    # Confidence stop (the dynamic policy): with a table, a request's chain ends before the first
+    # draft whose cumulative acceptance estimate, the product of calibration[mode, j, bucket of
+    # its confidence] over its drafts so far, falls below min_gain[b]. An empty table: k_b drafts.
+    # Confidence in [0, 1]: 1 - exp(-gap between the head's two best logits) for a greedy draft,
+    # the proposal's top probability for a sampled one (decided before the draft is drawn).
+    min_gain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # fp32 [B]
+    calibration: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.float32))  # fp32 [2 (greedy, sampled), K, buckets]
 
 
 @dataclass
 class MTPResult:
-    draft_ids: np.ndarray  # int64 [B, K] (positions >= k_b are -1)
+    draft_ids: np.ndarray  # int64 [B, K] (positions past k_b or past a confidence stop are -1)
     draft_probs: np.ndarray  # fp32 [B, K, V] proposal distribution q, or [0, K, V]
+    draft_conf: np.ndarray  # fp32 [B, K] the head's probability of each draft (0 where none, or no table)
 
 
 def pack_block_tables(tables: list[list[int]]) -> np.ndarray:
@@ -150,10 +158,11 @@ class MTPRunner:
     def execute(self, call: MTPCall) -> MTPResult:
         """Head j runs only on the rows that asked for more than j drafts, so a step costs in
         proportion to the drafts requested (sum of k_b), not to batch x max k_b: a dynamic
-        schedule that gives a few requests deep drafts does not pay deep drafts for everyone."""
+        schedule that gives a few requests deep drafts does not pay deep drafts for everyone.
+        A row stopped by its confidence (see MTPCall) leaves the chain there too."""
         dev = self.device
         b = len(call.last_ids)
-        ks = np.asarray(call.num_tokens, np.int64)
+        ks = np.array(call.num_tokens, np.int64)  # a copy: a confidence stop shortens it
         kmax = int(ks.max()) if b else 0
         big_k = call.uniforms.shape[1]
         if kmax > self.num_heads:
@@ -162,8 +171,9 @@ class MTPRunner:
         ids = torch.full((b, big_k), -1, dtype=torch.int64)
         v = self.vocab_size
         probs_out = torch.zeros((b, big_k, v) if want_probs else (0, big_k, v), dtype=torch.float32)
+        conf_out = torch.zeros((b, big_k), dtype=torch.float32)
         if kmax == 0:
-            return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy())
+            return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(), draft_conf=conf_out.numpy())
         rows = np.flatnonzero(ks > 0)
         state = torch.from_numpy(np.ascontiguousarray(call.hidden[rows], dtype=np.float32)).to(dev)
         tok = torch.from_numpy(np.ascontiguousarray(call.last_ids[rows], dtype=np.int64)).to(dev)
@@ -172,30 +182,67 @@ class MTPRunner:
         top_p = torch.from_numpy(np.asarray(call.top_p, np.float32)[rows]).to(dev)
         u = torch.from_numpy(np.asarray(call.uniforms, np.float32)[rows]).to(dev)
         all_greedy = not want_probs or not bool((temp > 0).any())
+        cal = np.asarray(call.calibration, np.float32)
+        stop = cal.size > 0
+        if stop:  # on the host, in numpy: a few values per row, cheaper than torch's small ops
+            buckets, last_pos = cal.shape[2], cal.shape[1] - 1
+            floor = np.asarray(call.min_gain, np.float32)[rows]
+            mode = (np.asarray(call.temperature, np.float32)[rows] > 0).astype(np.int64)
+            cum = np.ones(len(rows), np.float32)
+            conf_np = np.zeros((b, big_k), np.float32)
         for i in range(kmax):
             if i:  # drop the rows whose drafts are complete (rows stay in input order)
                 keep = ks[rows] > i
+                if not keep.any():
+                    break
                 if not keep.all():
                     rows = rows[keep]
                     sel = torch.from_numpy(np.flatnonzero(keep)).to(dev)
                     state, tok, temp, top_k, top_p, u = (t.index_select(0, sel)
                                                          for t in (state, tok, temp, top_k, top_p, u))
+                    if stop:
+                        floor, mode, cum = floor[keep], mode[keep], cum[keep]
             state, logits = self.folded[i](state, tok)  # logits over the draft vocabulary
-            pick = logits.argmax(-1)
+            if stop:  # the two best logits: their gap is a greedy draft's confidence
+                top2, idx2 = logits.topk(2, -1)
+                pick = idx2[:, 0]
+            else:
+                pick = logits.argmax(-1)
             q = None
             if not all_greedy and not bool((greedy := temp == 0).all()):
                 q = probs_from_logits(logits, temp, top_k, top_p)
                 pick = torch.where(greedy, pick, sample_with_uniforms(q, u[:, i]))
             tok = pick if self.vocab_ids is None else self.vocab_ids[pick]
+            out_rows, out_sel = rows, None
+            if stop:
+                # greedy row: 1 - exp(-gap of the two best logits); sampled row: q's top
+                # probability. Never q of the drawn token: whether a sampled draft is verified must
+                # not depend on its own value, or rejection sampling no longer yields the target's
+                # distribution (the stop would favour the tokens q is sure of)
+                gap = top2.float().cpu().numpy()
+                conf = -np.expm1(gap[:, 1] - gap[:, 0])
+                if q is not None:
+                    conf = np.where(greedy.cpu().numpy(), conf, q.amax(-1).float().cpu().numpy())
+                bucket = np.minimum((conf * buckets).astype(np.int64), buckets - 1)
+                cum = cum * cal[mode, min(i, last_pos), bucket]
+                kept = cum >= floor
+                if not kept.all():  # these rows end here, without this draft
+                    ks[rows[~kept]] = i
+                    out_rows, out_sel = rows[kept], torch.from_numpy(np.flatnonzero(kept)).to(dev)
+                    tok_out = tok.index_select(0, out_sel)
+                conf_np[out_rows, i] = conf[kept]
             if q is not None:
+                if out_sel is not None:
+                    q = q.index_select(0, out_sel)
                 if self.vocab_ids is None:
-                    probs_out[rows, i] = q.cpu()
+                    probs_out[out_rows, i] = q.cpu()
                 else:
-                    full = torch.zeros((len(rows), v), dtype=torch.float32)
+                    full = torch.zeros((len(out_rows), v), dtype=torch.float32)
                     full[:, self.vocab_ids.cpu()] = q.float().cpu()
-                    probs_out[rows, i] = full
-            ids[rows, i] = tok.cpu()
-        return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy())
+                    probs_out[out_rows, i] = full
+            ids[out_rows, i] = (tok if out_sel is None else tok_out).cpu()
+        return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(),
+                         draft_conf=conf_np if stop else conf_out.numpy())
 
 
 class Executor(Protocol):

@@ -33,9 +33,12 @@ def test_configs_cross_methods_and_run_the_none_baseline_once():
     assert bench.stages_for(runs) == ["lightspec_target"]  # default: MTP heads inside the orchestrator
     assert bench.stages_for(runs, {"mtp_model": "lightspec_mtp"}) == ["lightspec_target", "lightspec_mtp"]
     assert bench.RunConfig("static:8", "mtp", "static:8").parameters(4)["max_draft_tokens"] == "8"
+    stop = bench.parse_configs(["dynamic", "dynamic+stop"], ["mtp"])
+    assert [c.model_name for c in stop] == ["lightspec_mtp_dynamic", "lightspec_mtp_dynamic_stop"]
+    assert "confidence_stop" not in stop[0].parameters(4) and stop[1].parameters(4)["confidence_stop"] == "on"
 
 
-@pytest.mark.parametrize("bad", [["eagle"], ["static:x"], ["dynamic@3"], ["none", "off"]])
+@pytest.mark.parametrize("bad", [["eagle"], ["static:x"], ["dynamic@3"], ["none", "off"], ["static:2+stop"]])
 def test_bad_configs_are_refused_with_the_spec_named(bad):
     with pytest.raises(SystemExit, match="--configs"):
         bench.parse_configs(bad, ["mtp"])
@@ -44,11 +47,12 @@ def test_bad_configs_are_refused_with_the_spec_named(bad):
 
 
 def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp_path):
-    configs = bench.parse_configs(["none", "static:2", "dynamic"], ["mtp", "draft"])
+    configs = bench.parse_configs(["none", "static:2", "dynamic", "dynamic+stop"], ["mtp", "draft"])
     repo = bench.write_bench_repository(tmp_path / "repo", configs, {"num_kv_blocks": "96", "model_dir": "/m/t"}, 4)
     for c in configs:
         cfg = parse_backend_config(read_config_parameters(repo / c.model_name / "config.pbtxt"), base_dir=repo)
         assert (cfg.engine.speculation, cfg.engine.policy) == (c.method, c.policy)
+        assert cfg.engine.confidence_stop == c.confidence_stop
         assert cfg.engine.num_kv_blocks == 96
         assert check_stage_configs(cfg, repo) == []  # same KV geometry and checkpoints as the stages
     target = read_config_parameters(repo / "lightspec_target" / "config.pbtxt")

@@ -8,6 +8,7 @@ import pytest
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from lightspec_core.engine import build_local_executor
+from lightspec_core.policy import ConfidenceStats
 from lightspec_core.train import stdlib_files
 
 
@@ -192,3 +193,32 @@ def test_a_failed_profile_leaves_generic_costs_and_serving_intact(smoke_model):
     out = eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=4))
     assert [o.finish_reason for o in out] == ["length", "length"]
     assert not eng.cost.calibrated and eng.blocks.usage() == 0.0
+
+
+def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup):
+    """With ``confidence_stop`` the dynamic policy's MTP chains stop where the heads' confidence
+    says a draft does not pay: some granted slots go unused, the confidence table learns from what
+    is verified, and greedy output is still exactly plain greedy decoding. (The policy's floors
+    depend on measured stage times; a fixed floor of 0.5 makes the stops certain here.)"""
+    root, prompts, params, ref = exactness_setup
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="dynamic",
+                                 confidence_stop=True))
+    policy, choose = eng.scheduler.policy, eng.scheduler.policy.choose
+
+    def choose_with_floor(reqs, *args, **kw):
+        ks = choose(reqs, *args, **kw)
+        policy.gain_floors = [0.5] * len(reqs) if any(ks) else []
+        return ks
+
+    policy.choose = choose_with_floor
+    try:
+        outs = eng.generate(prompts, params)
+    finally:
+        eng.close()
+    assert [o.output_token_ids for o in outs] == ref
+    assert eng.stats.counters["spec_decode_num_stopped_drafts_total"] > 0
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert (eng.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()).any()
+    outs, eng = run(root, prompts, params, speculation="mtp", policy="dynamic")  # the default: off
+    assert [o.output_token_ids for o in outs] == ref
+    assert eng.confidence is None and eng.stats.counters["spec_decode_num_stopped_drafts_total"] == 0

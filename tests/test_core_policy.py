@@ -7,7 +7,15 @@ import itertools
 import numpy as np
 import pytest
 
-from lightspec_core.policy import AcceptanceStats, CostModel, DynamicPolicy, PolicyInput, StaticPolicy, request_alphas
+from lightspec_core.policy import (
+    AcceptanceStats,
+    ConfidenceStats,
+    CostModel,
+    DynamicPolicy,
+    PolicyInput,
+    StaticPolicy,
+    request_alphas,
+)
 
 
 def _policy(c0, c_tok, c_draft=0.0, p0=0.0):
@@ -160,7 +168,7 @@ def test_latency_objective_is_the_exact_optimum_of_step_time_times_sum_of_invers
         big = pol.choose(many, base_tokens=20 * b, token_budget=200 * b, context=context)
         t0 = cost.step_seconds(20 * b, 0, context)
         small = pol._allocate_small(many, [r.limit for r in many], 180 * b, [cost.per_slot(20 * b)] * len(many),
-                                    float(20 * b), t0, t0 + cost.propose_fixed, cost.per_depth, latency=True)
+                                    float(20 * b), t0, t0 + cost.propose_fixed, cost.per_depth, latency=True)[0]
 
         def value_many(ks):
             return _mean_latency_value(many, ks, cost.step_seconds(20 * b, sum(ks), context, max(ks)))
@@ -286,7 +294,7 @@ def test_numpy_and_plain_python_allocations_agree():
         vec = pol.choose(reqs, base_tokens=b, token_budget=budget, context=b * 300)
         t0 = cost.step_seconds(b, 0, b * 300)
         small = pol._allocate_small(reqs, [r.limit for r in reqs], budget - b, [cost.per_slot(b)] * b, float(b), t0,
-                                    t0 + cost.propose_fixed, cost.per_depth)
+                                    t0 + cost.propose_fixed, cost.per_depth)[0]
         assert vec == small, trial
 
 
@@ -328,7 +336,7 @@ def test_sampled_requests_allocation_is_the_exact_optimum_with_their_logits_cost
         t0 = cost.step_seconds(b, 0, context)
         costs = [cost.per_slot(b) + (cost.sampled_extra if r.sampled else 0.0) for r in reqs]
         small = pol._allocate_small(reqs, [r.limit for r in reqs], 9 * b, costs, float(b), t0,
-                                    t0 + cost.propose_fixed, cost.per_depth)
+                                    t0 + cost.propose_fixed, cost.per_depth)[0]
         assert goodput(small) >= best * (1 - 1e-12), (trial, small)
 
 
@@ -396,3 +404,42 @@ def test_the_scheduler_hands_the_policy_request_alphas_estimates():
         assert inp.sampled == sampled and inp.limit == 4
         assert inp.alphas == request_alphas(s.pos_reached, s.pos_accepted, acc.rates(sampled).tolist(), 4)
     assert pol.seen[0].alphas != pol.seen[1].alphas  # the two modes' global rates differ
+
+
+def test_confidence_stats_learn_acceptance_per_mode_position_and_bucket():
+    stats = ConfidenceStats(3, buckets=10)
+    prior = stats.table()
+    assert prior.shape == (2, 3, 10)
+    assert (np.diff(prior[0, 0]) > 0).all()  # the prior trusts a confident head more
+    for _ in range(300):  # a confident first draft accepted, an unsure second one rejected
+        stats.observe([0.95, 0.05, 0.5], accepted=1)
+    t = stats.table()
+    assert t[0, 0, 9] > 0.95 and t[0, 1, 0] < 0.05
+    assert t[0, 2, 5] == prior[0, 2, 5]  # a draft after the first rejection was never tested
+    assert (t[1] == prior[1]).all()  # sampled drafts learn apart
+    stats.observe([0.95], accepted=0, sampled=True)
+    assert t[1, 0, 9] > stats.table()[1, 0, 9]
+
+
+def test_gain_floor_is_the_planned_goodput_times_a_drafts_cost():
+    """A draft pays while its expected tokens per second of cost beat the step's goodput, so the
+    floor handed to the MTP runner is G x (seconds one draft adds) at the chosen allocation."""
+    pol = _policy(c0=10e-3, c_tok=1e-3)
+    cost = pol.cost
+    assert pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=64) == [4]
+    g = (1 + 0.8 + 0.8**2 + 0.8**3 + 0.8**4) / cost.step_seconds(1, 4, depth=4)
+    assert pol.gain_floors == pytest.approx([g * cost.per_slot(1)])
+    assert 0.2 < pol.gain_floors[0] < 0.3  # ~0.24: about the 4th draft's own 0.8^4 = 0.41 and below
+    # the numpy path (over 64 slots) sets the same floors; a sampled request's draft costs more
+    reqs = [PolicyInput(4, [0.8] * 4, sampled=i % 2 == 1) for i in range(20)]
+    cost.verify.per_logits_row = 1e-4
+    ks = pol.choose(reqs, base_tokens=20, token_budget=400)
+    e = sum(1 + sum(0.8 ** (j + 1) for j in range(k)) for k in ks)
+    sampled_drafts = sum(k for k, r in zip(ks, reqs) if r.sampled)
+    g = e / (cost.step_seconds(20, sum(ks), depth=max(ks)) + cost.sampled_extra * sampled_drafts)
+    want = [g * (cost.per_slot(20) + (cost.sampled_extra if r.sampled else 0.0)) for r in reqs]
+    assert pol.gain_floors == pytest.approx(want)
+    # nothing drafted (or a probe): no floor
+    idle = _policy(c0=10e-3, c_tok=1e-5, p0=50e-3)
+    assert idle.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64) == [0]
+    assert idle.gain_floors == []

@@ -189,3 +189,66 @@ def test_folded_mtp_heads_equal_the_trained_modules(default_model):
             torch.testing.assert_close(got_logits, ref_logits, atol=1e-4, rtol=1e-4)
             assert torch.equal(got_logits.argmax(-1), ref_logits.argmax(-1))
             state, tok = ref_state, runner.vocab_ids[ref_logits.argmax(-1)]
+
+
+def _stop_table(threshold_bucket: int, k: int = 4, buckets: int = 10) -> np.ndarray:
+    """Acceptance 1 from ``threshold_bucket`` up, 0 below: with a floor of 0.5 a chain keeps its
+    drafts exactly while their confidence is >= threshold_bucket / buckets."""
+    table = np.zeros((2, k, buckets), np.float32)
+    table[:, :, threshold_bucket:] = 1.0
+    return table
+
+
+def test_mtp_confidence_stop_keeps_a_prefix_of_the_chain_up_to_the_floor(default_model):
+    from lightspec_core.stages import MTPRunner
+
+    runner = MTPRunner(default_model / "target", default_model / "mtp")
+    rng = np.random.default_rng(3)
+    b, k = 12, runner.num_heads
+    hidden = rng.standard_normal((b, runner.target.config.hidden_size)).astype(np.float32) * 2
+    last = rng.integers(3, runner.target.config.vocab_size, b).astype(np.int64)
+    temps = [0.0] * 6 + [1.0] * 6
+    u = rng.random((b, k)).astype(np.float32)
+    plain = runner.execute(_mtp_call(hidden, last, [k] * b, temps, u))
+    call = _mtp_call(hidden, last, [k] * b, temps, u)
+    call.calibration = np.full((2, k, 10), 0.5, np.float32)
+    call.min_gain = np.zeros(b, np.float32)  # a table but no floor: the full chain, confidences reported
+    full = runner.execute(call)
+    assert (full.draft_ids == plain.draft_ids).all()
+    np.testing.assert_allclose(full.draft_probs, plain.draft_probs, atol=1e-6)
+    assert ((full.draft_conf >= 0) & (full.draft_conf <= 1)).all() and len(np.unique(full.draft_conf)) > b
+    call.min_gain = np.full(b, 0.3, np.float32)  # 0.5 >= 0.3 > 0.25: one draft each
+    one = runner.execute(call)
+    assert ((one.draft_ids >= 0).sum(1) == 1).all() and (one.draft_ids[:, 0] == plain.draft_ids[:, 0]).all()
+    assert (one.draft_conf[:, 1:] == 0).all() and not one.draft_probs[:, 1:].any()
+    # a step table: drafts survive while confident, and what survives is the unstopped chain's prefix
+    call.calibration, call.min_gain = _stop_table(5), np.full(b, 0.5, np.float32)
+    cut = runner.execute(call)
+    for r in range(b):
+        n = int((cut.draft_ids[r] >= 0).sum())
+        want = next((j for j in range(k) if full.draft_conf[r, j] < 0.5), k)
+        assert n == want, (r, full.draft_conf[r])
+        assert cut.draft_ids[r, :n].tolist() == plain.draft_ids[r, :n].tolist()
+        np.testing.assert_allclose(cut.draft_conf[r, :n], full.draft_conf[r, :n], rtol=1e-6)
+    assert 0 < (cut.draft_ids >= 0).sum() < b * k, "the floor was meant to stop some chains, not all or none"
+
+
+def test_a_sampled_drafts_inclusion_does_not_depend_on_its_own_value(default_model):
+    """Rejection sampling stays exact only if whether draft j is verified is decided before draft j
+    is drawn: a sampled row's confidence is its proposal's top probability, not q of the drawn
+    token. So the rows keeping their first draft are the same whatever the random draws."""
+    from lightspec_core.stages import MTPRunner
+
+    runner = MTPRunner(default_model / "target", default_model / "mtp")
+    rng = np.random.default_rng(4)
+    b, k = 16, runner.num_heads
+    hidden = rng.standard_normal((b, runner.target.config.hidden_size)).astype(np.float32) * 2
+    last = rng.integers(3, runner.target.config.vocab_size, b).astype(np.int64)
+    kept = set()
+    for _ in range(20):
+        call = _mtp_call(hidden, last, [1] * b, [1.0] * b, rng.random((b, k)).astype(np.float32))
+        call.calibration, call.min_gain = _stop_table(2), np.full(b, 0.5, np.float32)
+        res = runner.execute(call)
+        kept.add(tuple(res.draft_ids[:, 0] >= 0))
+    assert len(kept) == 1
+    assert 0 < sum(next(iter(kept))) < b, "the floor was meant to keep some first drafts, not all or none"
