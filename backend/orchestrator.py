@@ -81,6 +81,7 @@ class Orchestrator:
         self._outbox: queue.Queue = queue.Queue()
         self._metrics_q: queue.Queue = queue.Queue()
         self._in_engine: set[str] = set()  # engine loop only
+        self._held: list[tuple[_Entry, object]] = []  # engine loop only: the last step's responses
         self._last_publish = 0.0
         self._stopping = threading.Event()
         self._threads = [
@@ -149,6 +150,8 @@ class Orchestrator:
                     self.engine.abort(arg)
             if self.engine.has_unfinished():
                 self._step()
+            if not self.engine.has_unfinished():  # no next step to send them in
+                self._release_held()
             self._maybe_publish(force=not self.engine.has_unfinished())
 
     def _take_commands(self, block: bool) -> list:
@@ -174,9 +177,14 @@ class Orchestrator:
         self._in_engine.add(entry.id)
 
     def _step(self) -> None:
+        """One engine step. Its responses are held until the next step has launched (its scheduling
+        decision, drafts and target call submitted) and go to the response thread while that step
+        waits for the target stage: sent earlier, they compete for the interpreter with the
+        decision and the drafting, on the critical path of every request."""
         try:
-            deltas = self.engine.step()
+            deltas = self.engine.step(on_launched=self._release_held)
         except Exception as e:  # a stage or engine failure: fail what is in flight, keep serving
+            self._release_held()
             self.log.log_error(f"[lightspec] engine step failed: {traceback.format_exc()}")
             for rid in list(self._in_engine):
                 self._finish_with_error(rid, "INTERNAL", f"engine step failed: {e}")
@@ -196,7 +204,12 @@ class Orchestrator:
             # After a failed step, the aborted requests' "cancelled" finals arrive here too; the
             # response thread drops them because their error response closed them first (FIFO).
             if entry is not None:
-                self._outbox.put((entry, d))
+                self._held.append((entry, d))
+
+    def _release_held(self) -> None:
+        for item in self._held:
+            self._outbox.put(item)
+        self._held.clear()
 
     def _finish_with_error(self, rid: str, code: str, message: str) -> None:
         with self._live_lock:
@@ -216,6 +229,7 @@ class Orchestrator:
             if not self.engine.has_unfinished():
                 break
             self._step()
+        self._release_held()
         for cmd in self._take_commands(block=False):
             if cmd is not _STOP and cmd[0] == "add":
                 self._outbox.put((cmd[1], _Error("UNAVAILABLE", "the model is shutting down")))

@@ -16,6 +16,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -156,7 +157,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or bool(self._inflight)
 
-    def step(self) -> list[RequestDelta]:
+    def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestDelta]:
+        """Launch what fits in the pipeline, then complete the oldest micro-batch in flight.
+        ``on_launched`` is called once, after the launches and before waiting for the target stage:
+        a server sends the previous step's responses then, so that they do not compete with this
+        step's scheduling decision and drafting for the interpreter."""
         now = time.perf_counter()
         if self._stage_seconds and now - self._last_step < 0.1:  # back-to-back steps: a busy loop
             self.cost.observe_overhead(now - self._last_step - self._stage_seconds)
@@ -174,6 +179,8 @@ class LLMEngine:
                 break
             self.stats.observe_decision(plan.decision_seconds, plan.ks, plan.decision_cpu_seconds)
             self._inflight.append(self._launch(plan))
+        if on_launched is not None:
+            on_launched()
         if self._inflight:
             deltas += self._complete(self._inflight.popleft())
         self._update_gauges()

@@ -136,11 +136,11 @@ def test_step_failure_fails_in_flight_requests_and_keeps_serving(served, engine,
     real_step = engine.step
     calls = {"n": 0}
 
-    def flaky_step():
+    def flaky_step(on_launched=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return real_step()
+        return real_step(on_launched)
 
     monkeypatch.setattr(engine, "step", flaky_step)
     first = request(text_input="a = 1", max_tokens=50, ignore_eos=True)

@@ -222,3 +222,20 @@ def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup):
     outs, eng = run(root, prompts, params, speculation="mtp", policy="dynamic")  # the default: off
     assert [o.output_token_ids for o in outs] == ref
     assert eng.confidence is None and eng.stats.counters["spec_decode_num_stopped_drafts_total"] == 0
+
+
+def test_on_launched_runs_once_per_step_between_launch_and_completion(smoke_model):
+    """The server sends a step's responses from ``on_launched`` of the next step: it must come once
+    per ``step()``, after the next micro-batch is submitted and before the engine waits for it."""
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), num_kv_blocks=64, block_size=16))
+    seen = []
+    eng.add_request("a", "def f(x):", SamplingParams(max_tokens=6, ignore_eos=True))
+    try:
+        steps = 0
+        while eng.has_unfinished():
+            eng.step(on_launched=lambda: seen.append(len(eng._inflight)))
+            steps += 1
+    finally:
+        eng.close()
+    assert len(seen) == steps and steps >= 2
+    assert seen == [1] * steps  # the step's micro-batch was in flight when the callback ran
