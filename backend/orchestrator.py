@@ -152,7 +152,7 @@ class Orchestrator:
                 self._step()
             if not self.engine.has_unfinished():  # no next step to send them in
                 self._release_held()
-            self._maybe_publish(force=not self.engine.has_unfinished())
+                self._maybe_publish(force=True)
 
     def _take_commands(self, block: bool) -> list:
         cmds = []
@@ -180,9 +180,10 @@ class Orchestrator:
         """One engine step. Its responses are held until the next step has launched (its scheduling
         decision, drafts and target call submitted) and go to the response thread while that step
         waits for the target stage: sent earlier, they compete for the interpreter with the
-        decision and the drafting, on the critical path of every request."""
+        decision and the drafting, on the critical path of every request. Metrics are handed to
+        their thread at the same moment, for the same reason."""
         try:
-            deltas = self.engine.step(on_launched=self._release_held)
+            deltas = self.engine.step(on_launched=self._after_launch)
         except Exception as e:  # a stage or engine failure: fail what is in flight, keep serving
             self._release_held()
             self.log.log_error(f"[lightspec] engine step failed: {traceback.format_exc()}")
@@ -205,6 +206,11 @@ class Orchestrator:
             # response thread drops them because their error response closed them first (FIFO).
             if entry is not None:
                 self._held.append((entry, d))
+
+    def _after_launch(self) -> None:
+        """The engine waits for the target stage now: the time for the other threads' work."""
+        self._release_held()
+        self._maybe_publish(force=False)
 
     def _release_held(self) -> None:
         for item in self._held:
