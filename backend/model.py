@@ -97,6 +97,10 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
         except pb_utils.TritonModelException as e:
             pb_utils.Logger.log_warn(f"[lightspec] custom metrics unavailable ({e}); continuing without them")
             reporter = None
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the weights, tokenizer and modules loaded so far: never scanned again by a collection
     return _OrchestratorModel(Orchestrator(engine, pb_utils, reporter), engine, reporter)
 
 
