@@ -109,7 +109,8 @@ class LLMEngine:
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, policy, self.acceptance, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    k, cfg.kv_high_water, cfg.speculative)
-        self.scheduler.use_gain_floors = self.confidence is not None
+        if self.confidence is not None:
+            policy.floors_wanted = True
         self.proposer = self._make_proposer(k)
         self.seqs: dict[str, Sequence] = {}
         self._inflight: deque[InFlight] = deque()

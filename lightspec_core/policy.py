@@ -288,8 +288,10 @@ class DynamicPolicy:
         # per request of the last decision: the least cumulative acceptance probability worth a
         # draft, goodput x the draft's cost (a draft pays when its expected tokens per second beat
         # the step's); [] when nothing was drafted or on a probe. The MTP runner stops a request's
-        # chain below it, knowing each draft's confidence (see ConfidenceStats)
+        # chain below it, knowing each draft's confidence (see ConfidenceStats). Computed only when
+        # ``floors_wanted`` (the engine has a confidence stop)
         self.gain_floors: list[float] = []
+        self.floors_wanted = False
 
     def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, context: int = 0,
                prefill: int = 0, requests: int | None = None) -> list[int]:
@@ -324,7 +326,7 @@ class DynamicPolicy:
         terms = (float(base_tokens - prefill), t0, t0 + cost.propose_fixed, cost.per_depth)
         if b * big_k <= 64:  # the common small case: plain Python beats numpy's per-call overhead
             ks, rate = self._allocate_small(reqs, lims, room, costs, *terms, latency=self.latency)
-            if rate:
+            if rate and self.floors_wanted:
                 self.gain_floors = [rate * c for c in costs]
             return ks
         vals: list[float] = []  # alphas as one padded [b, big_k] matrix (plain lists: this is the hot path)
@@ -358,10 +360,12 @@ class DynamicPolicy:
                 good = (base + np.cumsum(flat[taken])) / seconds
             j = int(good.argmax())
             if good[j] > best_g:
-                best_g, best, rate = float(good[j]), taken[: j + 1], float((base + raw[taken[: j + 1]].sum()) / seconds[j])
+                best_g, best, best_seconds = float(good[j]), taken[: j + 1], float(seconds[j])
         if best is None:
             return [0] * b
-        self.gain_floors = [rate * c for c in costs]
+        if self.floors_wanted:
+            rate = (base + float(raw[best].sum())) / best_seconds
+            self.gain_floors = [rate * c for c in costs]
         return np.bincount(best // big_k, minlength=b).tolist()
 
     @staticmethod

@@ -64,7 +64,6 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
-        self.use_gain_floors = False  # hand the policy's gain floors to the proposer (confidence stop)
 
     # ---- queues --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -207,7 +206,7 @@ class Scheduler:
         base = sum(it.num_new for it in plan.items)
         context = len(plan.items) * max(it.start + it.num_new for it in plan.items)
         ks = self.policy.choose(inputs, base, base + budget, context, plan.prefill_tokens, len(plan.items))
-        floors = self.use_gain_floors and getattr(self.policy, "gain_floors", None)
+        floors = getattr(self.policy, "gain_floors", None)
         if floors:
             explore = EXPLORE_EVERY
             for it, floor in zip(cands, floors):

@@ -204,6 +204,7 @@ def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup):
     eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="dynamic",
                                  confidence_stop=True))
     policy, choose = eng.scheduler.policy, eng.scheduler.policy.choose
+    assert policy.floors_wanted  # the policy computes floors for this engine's stop
 
     def choose_with_floor(reqs, *args, **kw):
         ks = choose(reqs, *args, **kw)
@@ -222,6 +223,7 @@ def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup):
     outs, eng = run(root, prompts, params, speculation="mtp", policy="dynamic")  # the default: off
     assert [o.output_token_ids for o in outs] == ref
     assert eng.confidence is None and eng.stats.counters["spec_decode_num_stopped_drafts_total"] == 0
+    assert not eng.scheduler.policy.floors_wanted
 
 
 def test_on_launched_runs_once_per_step_between_launch_and_completion(smoke_model):

@@ -427,6 +427,9 @@ def test_gain_floor_is_the_planned_goodput_times_a_drafts_cost():
     pol = _policy(c0=10e-3, c_tok=1e-3)
     cost = pol.cost
     assert pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=64) == [4]
+    assert pol.gain_floors == []  # only computed for an engine with a confidence stop
+    pol.floors_wanted = True
+    pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=64)
     g = (1 + 0.8 + 0.8**2 + 0.8**3 + 0.8**4) / cost.step_seconds(1, 4, depth=4)
     assert pol.gain_floors == pytest.approx([g * cost.per_slot(1)])
     assert 0.2 < pol.gain_floors[0] < 0.3  # ~0.24: about the 4th draft's own 0.8^4 = 0.41 and below
@@ -441,5 +444,6 @@ def test_gain_floor_is_the_planned_goodput_times_a_drafts_cost():
     assert pol.gain_floors == pytest.approx(want)
     # nothing drafted (or a probe): no floor
     idle = _policy(c0=10e-3, c_tok=1e-5, p0=50e-3)
+    idle.floors_wanted = True
     assert idle.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64) == [0]
     assert idle.gain_floors == []
