@@ -23,7 +23,7 @@ from .stages import Executor, ModelCall, MTPCall, pack_block_tables
 class Proposal:
     draft_ids: list[int]
     q: np.ndarray | None  # fp32 [len(draft_ids), V]
-    conf: list[float] | None = None  # the proposer's probability of each draft (MTP with a confidence stop)
+    conf: list[float] | None = None  # each draft's confidence (MTP with a confidence stop, see ConfidenceStats)
 
 
 class Proposer(Protocol):

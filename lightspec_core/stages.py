@@ -66,7 +66,7 @@ class MTPCall:
 class MTPResult:
     draft_ids: np.ndarray  # int64 [B, K] (positions past k_b or past a confidence stop are -1)
     draft_probs: np.ndarray  # fp32 [B, K, V] proposal distribution q, or [0, K, V]
-    draft_conf: np.ndarray  # fp32 [B, K] the head's probability of each draft (0 where none, or no table)
+    draft_conf: np.ndarray  # fp32 [B, K] each draft's confidence (see MTPCall; 0 where none, or no table)
 
 
 def pack_block_tables(tables: list[list[int]]) -> np.ndarray:
@@ -171,9 +171,9 @@ class MTPRunner:
         ids = torch.full((b, big_k), -1, dtype=torch.int64)
         v = self.vocab_size
         probs_out = torch.zeros((b, big_k, v) if want_probs else (0, big_k, v), dtype=torch.float32)
-        conf_out = torch.zeros((b, big_k), dtype=torch.float32)
+        confs = np.zeros((b, big_k), np.float32)
         if kmax == 0:
-            return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(), draft_conf=conf_out.numpy())
+            return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(), draft_conf=confs)
         rows = np.flatnonzero(ks > 0)
         state = torch.from_numpy(np.ascontiguousarray(call.hidden[rows], dtype=np.float32)).to(dev)
         tok = torch.from_numpy(np.ascontiguousarray(call.last_ids[rows], dtype=np.int64)).to(dev)
@@ -189,7 +189,6 @@ class MTPRunner:
             floor = np.asarray(call.min_gain, np.float32)[rows]
             mode = (np.asarray(call.temperature, np.float32)[rows] > 0).astype(np.int64)
             cum = np.ones(len(rows), np.float32)
-            conf_np = np.zeros((b, big_k), np.float32)
         for i in range(kmax):
             if i:  # drop the rows whose drafts are complete (rows stay in input order)
                 keep = ks[rows] > i
@@ -230,7 +229,7 @@ class MTPRunner:
                     ks[rows[~kept]] = i
                     out_rows, out_sel = rows[kept], torch.from_numpy(np.flatnonzero(kept)).to(dev)
                     tok_out = tok.index_select(0, out_sel)
-                conf_np[out_rows, i] = conf[kept]
+                confs[out_rows, i] = conf[kept]
             if q is not None:
                 if out_sel is not None:
                     q = q.index_select(0, out_sel)
@@ -241,8 +240,7 @@ class MTPRunner:
                     full[:, self.vocab_ids.cpu()] = q.float().cpu()
                     probs_out[out_rows, i] = full
             ids[out_rows, i] = (tok if out_sel is None else tok_out).cpu()
-        return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(),
-                         draft_conf=conf_np if stop else conf_out.numpy())
+        return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(), draft_conf=confs)
 
 
 class Executor(Protocol):
