@@ -14,6 +14,7 @@ lives in the importable, Triton-free ``lightspec_backend`` package.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -97,10 +98,8 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
         except pb_utils.TritonModelException as e:
             pb_utils.Logger.log_warn(f"[lightspec] custom metrics unavailable ({e}); continuing without them")
             reporter = None
-    import gc
-
     gc.collect()
-    gc.freeze()  # the weights, tokenizer and modules loaded so far: never scanned again by a collection
+    gc.freeze()  # what the model loaded (modules, tokenizer, engine): never scanned by a collection again
     return _OrchestratorModel(Orchestrator(engine, pb_utils, reporter), engine, reporter)
 
 

@@ -237,8 +237,8 @@ class LLMEngine:
     def _launch(self, plan: StepPlan) -> InFlight:
         t0 = time.perf_counter()
         tables = [self.blocks.table(it.seq.request_id) for it in plan.items]
-        props = self.proposer.propose([it.seq for it in plan.items], [it.k for it in plan.items], tables,
-                                      [it.min_gain for it in plan.items])
+        floors = [it.min_gain for it in plan.items] if self.confidence is not None else None
+        props = self.proposer.propose([it.seq for it in plan.items], [it.k for it in plan.items], tables, floors)
         t1 = time.perf_counter()
         num_drafts = sum(len(p.draft_ids) for p in props)
         if self.confidence is not None:

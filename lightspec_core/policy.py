@@ -204,8 +204,8 @@ class ConfidenceStats:
     A greedy draft's confidence is ``1 - exp(-gap)``, the gap between the head's two best logits
     (0 at a tie; one ``topk`` where the chain took an ``argmax``, cheaper than a softmax per head);
     a sampled draft's is the proposal's top probability (not q of the drawn token: whether a draft
-    is verified must not depend on its value, or rejection sampling is no longer exact). It predicts acceptance far better than a
-    position's average: on held-out code, teacher-forced, a first head's draft is the target's top-1
+    is verified must not depend on its value, or rejection sampling is no longer exact). It
+    predicts acceptance far better than a position's average: on held-out code, teacher-forced, a first head's draft is the target's top-1
     27 % of the time at confidence < 0.1 and 98 % at >= 0.9, while the average is 58 %. The table is
     learned online (the mapping depends on the heads and the text): each cell is a running mean
     whose step is 1/n down to 1/256 (it follows a drift), starting from ``0.25 + 0.7 x confidence``

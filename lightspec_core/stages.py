@@ -228,7 +228,6 @@ class MTPRunner:
                 if not kept.all():  # these rows end here, without this draft
                     ks[rows[~kept]] = i
                     out_rows, out_sel = rows[kept], torch.from_numpy(np.flatnonzero(kept)).to(dev)
-                    tok_out = tok.index_select(0, out_sel)
                 confs[out_rows, i] = conf[kept]
             if q is not None:
                 if out_sel is not None:
@@ -239,7 +238,7 @@ class MTPRunner:
                     full = torch.zeros((len(out_rows), v), dtype=torch.float32)
                     full[:, self.vocab_ids.cpu()] = q.float().cpu()
                     probs_out[out_rows, i] = full
-            ids[out_rows, i] = (tok if out_sel is None else tok_out).cpu()
+            ids[out_rows, i] = (tok if out_sel is None else tok.index_select(0, out_sel)).cpu()
         return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(), draft_conf=confs)
 
 
