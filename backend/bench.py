@@ -65,13 +65,16 @@ class RunConfig:
 
     ``config`` is the user's label: ``none``, ``dynamic``, ``static`` or ``static:K``, optionally
     suffixed ``@2`` for pipeline depth 2; ``dynamic+stop`` is the dynamic policy with its MTP
-    confidence stop (``confidence_stop: on``). The ``none`` baseline has ``method == "none"``."""
+    confidence stop (``confidence_stop: on``); ``+local`` / ``+fused`` set ``mtp_model`` for this
+    configuration (where the MTP heads run, to compare them in one run). The ``none`` baseline has
+    ``method == "none"``."""
 
     config: str
     method: str
     policy: str  # the orchestrator's policy parameter
     pipeline_depth: int = 1
     confidence_stop: bool = False
+    mtp_model: str | None = None  # None: the repository's (--set mtp_model=...)
 
     @property
     def model_name(self) -> str:
@@ -80,6 +83,7 @@ class RunConfig:
         else:
             name = f"lightspec_{self.method}_{self.policy.replace(':', '_')}"
             name += "_stop" if self.confidence_stop else ""
+            name += f"_{self.mtp_model}" if self.mtp_model else ""
         return name + (f"_d{self.pipeline_depth}" if self.pipeline_depth != 1 else "")
 
     @property
@@ -97,6 +101,8 @@ class RunConfig:
         }
         if self.confidence_stop:
             out["confidence_stop"] = "on"
+        if self.mtp_model and self.method == "mtp":
+            out["mtp_model"] = self.mtp_model
         return out
 
 
@@ -117,11 +123,14 @@ def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
         if label in ("none", "off"):
             out.append(RunConfig(spec, "none", "off", depth_n))
             continue
+        where = re.search(r"\+(local|fused)$", label)
+        label = label.removesuffix(where.group(0)) if where else label
         if not re.fullmatch(r"dynamic(:latency)?(\+stop)?|static(:\d+)?", label):
             raise SystemExit(f"--configs {spec!r}: expected none, dynamic, dynamic:latency, static or static:K "
-                             "(optionally @2; dynamic+stop: with the MTP confidence stop)")
+                             "(optionally @2; dynamic+stop: with the MTP confidence stop; +local or +fused: "
+                             "where the MTP heads run)")
         policy, stop = label.removesuffix("+stop"), label.endswith("+stop")
-        out += [RunConfig(spec, m, policy, depth_n, stop) for m in methods]
+        out += [RunConfig(spec, m, policy, depth_n, stop, where.group(1) if where else None) for m in methods]
     if len({c.model_name for c in out}) != len(out):
         raise SystemExit(f"--configs {' '.join(configs)}: a configuration is listed twice")
     return out
@@ -133,7 +142,8 @@ def stages_for(configs: list[RunConfig], overrides: dict[str, str] | None = None
     from .repository import default_parameters
 
     methods = {c.method for c in configs}
-    if {**default_parameters(), **(overrides or {})}.get("mtp_model") == "local":
+    base = {**default_parameters(), **(overrides or {})}.get("mtp_model")
+    if all((c.mtp_model or base) in ("local", "fused") for c in configs if c.method == "mtp"):
         methods.discard("mtp")
     return [TARGET_STAGE] + [STAGES[m] for m in ("mtp", "draft") if m in methods]
 
@@ -144,7 +154,8 @@ def write_bench_repository(
     """The stage models plus one orchestrator per configuration (and the plain ``lightspec`` one)."""
     from .repository import default_parameters, render_orchestrator, write_model_repository
 
-    dst = write_model_repository(dst, overrides)
+    fused = any(c.mtp_model == "fused" for c in configs)  # then the shared target stage loads the heads
+    dst = write_model_repository(dst, {**overrides, "mtp_model": "fused"} if fused else overrides)
     for c in configs:
         params = {**default_parameters(), **overrides, **c.parameters(max_draft_tokens)}
         (dst / c.model_name / "1").mkdir(parents=True, exist_ok=True)

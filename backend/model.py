@@ -134,7 +134,9 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     target, mtp, draft = resolve_dirs(cfg)
     if config.role is Role.MTP:
         runner = MTPRunner(target, mtp, device)
+    elif config.role is Role.TARGET:
+        heads = MTPRunner(target, mtp, device) if config.mtp_heads else None  # fused MTP drafts
+        runner = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, device, heads=heads)
     else:
-        path = target if config.role is Role.TARGET else draft
-        runner = ModelRunner(path, cfg.num_kv_blocks, cfg.block_size, device)
+        runner = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, device)
     return _StageModelAdapter(StageModel(config.role, runner, pb_utils, threads=threads, set_threads=torch.set_num_threads))

@@ -32,8 +32,9 @@ STAGE_MODEL_PARAMS = {
     "mtp": ("mtp_model", "lightspec_mtp"),
     "draft": ("draft_model", "lightspec_draft"),
 }
-BACKEND_PARAMS = ("role", "metrics", *(p for p, _ in STAGE_MODEL_PARAMS.values()))
-ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+BACKEND_PARAMS = ("role", "metrics", "mtp_heads", *(p for p, _ in STAGE_MODEL_PARAMS.values()))
+# fused_mtp is set by ``mtp_model: fused`` (the target stage must load the heads too), not by hand
+ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "fused_mtp")
 # The KV geometry every KV-owning stage must share with the orchestrator, which allocates blocks.
 KV_PARAMS = ("num_kv_blocks", "block_size")
 PATH_PARAMS = ("model_dir", "mtp_dir", "draft_dir")
@@ -46,6 +47,7 @@ class BackendConfig:
     engine: EngineConfig
     metrics: bool
     stage_models: dict[str, str]  # engine stage name ("target", "mtp", "draft") -> Triton model name
+    mtp_heads: bool = False  # role target: load the MTP heads and propose fused drafts (mtp_model: fused)
 
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls with this speculation method."""
@@ -54,11 +56,17 @@ class BackendConfig:
         return ["target", *([method] if remote else [])]
 
     def local_stage(self, stage: str) -> bool:
-        """``mtp_model: "local"`` runs the MTP heads inside the orchestrator's process."""
-        return stage == "mtp" and self.stage_models.get("mtp") == LOCAL
+        """``mtp_model: "local"`` runs the MTP heads inside the orchestrator's process; so does
+        ``"fused"`` for sampled requests, whose greedy requests get their drafts from the target stage."""
+        return stage == "mtp" and self.stage_models.get("mtp") in (LOCAL, FUSED)
+
+    @property
+    def fused(self) -> bool:
+        return self.stage_models.get("mtp") == FUSED
 
 
 LOCAL = "local"
+FUSED = "fused"
 
 
 def available_cpus() -> int:
@@ -157,10 +165,17 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     except ValueError as e:  # EngineConfig names the field: "speculation='x': expected ..."
         raise ValueError(f"parameter {e}") from None
     metrics = parse_bool("metrics", params.get("metrics", "") or "on")
+    mtp_heads = parse_bool("mtp_heads", params.get("mtp_heads", "") or "off")
+    if mtp_heads and role is not Role.TARGET:
+        raise _bad("mtp_heads", params["mtp_heads"], f"only a target stage loads fused MTP heads (role={role.value})")
     stage_models = {}
     for stage, (param, default) in STAGE_MODEL_PARAMS.items():
         stage_models[stage] = params.get(param, "").strip() or default
-    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models)
+    if stage_models["mtp"] == FUSED and role is Role.ORCHESTRATOR:
+        if engine.method.value != "mtp":
+            raise _bad("mtp_model", FUSED, f"fused MTP heads need speculation=mtp (got {engine.speculation})")
+        engine.fused_mtp = True
+    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models, mtp_heads=mtp_heads)
 
 
 def check_checkpoints(config: BackendConfig) -> None:
@@ -171,7 +186,8 @@ def check_checkpoints(config: BackendConfig) -> None:
     role = config.role
     needed = {
         Role.ORCHESTRATOR: [("model_dir", target, "config.json")],
-        Role.TARGET: [("model_dir", target, "config.json")],
+        Role.TARGET: [("model_dir", target, "config.json"),
+                      *([("mtp_dir", mtp, "mtp_config.json")] if config.mtp_heads else [])],
         Role.MTP: [("model_dir", target, "config.json"), ("mtp_dir", mtp, "mtp_config.json")],
         Role.DRAFT: [("draft_dir", draft, "config.json")],
     }[role]
@@ -229,7 +245,11 @@ def check_stage_configs(config: BackendConfig, repository: str | Path) -> list[s
             raise _bad(
                 STAGE_MODEL_PARAMS[stage][0], name, f"that model has role={theirs.role.value!r}, expected {stage!r}"
             )
-        keys = ["model_dir", *(["mtp_dir"] if stage == "mtp" else []), *(["draft_dir"] if stage == "draft" else [])]
+        fused = stage == "target" and config.fused and mine.speculative
+        if fused and not theirs.mtp_heads:
+            raise _bad("mtp_model", FUSED, f"stage model {name!r} does not load the MTP heads (set mtp_heads: on in {path})")
+        keys = ["model_dir", *(["mtp_dir"] if stage == "mtp" or fused else []),
+                *(["draft_dir"] if stage == "draft" else [])]
         keys += list(KV_PARAMS) if stage != "mtp" else []
         for key in keys:
             a, b = getattr(mine, key), getattr(theirs.engine, key)

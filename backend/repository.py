@@ -16,7 +16,7 @@ from pathlib import Path
 from lightspec_core.config import EngineConfig
 from lightspec_core.stages import ModelCall, ModelResult, MTPCall, MTPResult
 
-from .params import LOCAL, STAGE_MODEL_PARAMS, Role
+from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, Role
 from .tensors import INPUTS, OUTPUTS, TensorSpec
 
 ORCHESTRATOR = "lightspec"
@@ -32,11 +32,15 @@ STAGE_TENSORS: dict[type, list[TensorSpec]] = {
         TensorSpec("sample_indices", "INT64", (-1,), optional=False),
         TensorSpec("return_logits", "BOOL", (-1,), optional=False),
         TensorSpec("return_hidden", "BOOL", (1,), optional=False),
+        TensorSpec("mtp_drafts", "INT32", (-1,)),
     ],
     ModelResult: [
         TensorSpec("top1_ids", "INT64", (-1,)),
         TensorSpec("logits", "FP32", (-1, -1)),
         TensorSpec("hidden", "FP32", (-1, -1)),
+        TensorSpec("next_draft_ids", "INT64", (-1, -1)),
+        TensorSpec("next_draft_conf", "FP32", (-1, -1)),
+        TensorSpec("accepted", "INT32", (-1,)),
     ],
     MTPCall: [
         TensorSpec("hidden", "FP32", (-1, -1), optional=False),
@@ -148,11 +152,13 @@ def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]
     out = {ORCHESTRATOR: render_orchestrator(orch)}
     for role in (Role.TARGET, Role.MTP, Role.DRAFT):
         param, _ = STAGE_MODEL_PARAMS[role.value]
-        if orch[param] == LOCAL:  # run inside the orchestrator: no stage model
+        if orch[param] in (LOCAL, FUSED):  # run inside the orchestrator (or the target stage): no stage model
             continue
         # a stage's num_threads only from overrides: the orchestrator's default of 1 is its own
         shared = {k: v for k, v in orch.items() if k != "num_threads" or k in overrides}
         stage_params = {k: shared[k] for k in STAGE_PARAMS[role] if k in shared}
+        if role is Role.TARGET and orch["mtp_model"] == FUSED:  # the target stage proposes MTP drafts too
+            stage_params.update(mtp_heads="on", mtp_dir=orch.get("mtp_dir", ""))
         out[orch[param]] = render_stage(role, orch[param], stage_params)
     return out
 

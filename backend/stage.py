@@ -8,7 +8,7 @@ is one packed engine step already, and the runner's KV pool is shared state.
 from __future__ import annotations
 
 import traceback
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 import numpy as np
 
@@ -47,6 +47,9 @@ class StageModel:
             for f in fields(self.call_cls):
                 t = pb.get_input_tensor_by_name(request, f.name)
                 if t is None:
+                    if f.default_factory is not MISSING:  # optional input: its default
+                        tensors[f.name] = f.default_factory()
+                        continue
                     raise ValueError(f"{f.name}: missing input tensor")
                 tensors[f.name] = t.as_numpy()
             call = from_tensors(self.call_cls, tensors)

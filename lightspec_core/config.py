@@ -94,7 +94,10 @@ class EngineConfig:
     decoding request). With the dynamic policy and MTP heads, ``confidence_stop`` lets a request's
     chain of drafts stop early where the heads' confidence says the next draft is not worth verifying
     (see ``ConfidenceStats``); off (the default: through the server on 2 CPU cores it did not beat
-    plain ``dynamic``, see README), every request gets the k the policy chose.
+    plain ``dynamic``, see README), every request gets the k the policy chose. ``fused_mtp``: the
+    target stage runs the MTP heads right after its forward and returns each greedy request's next
+    drafts with its result (``ModelCall.mtp_drafts``), which saves the separate MTP call of every
+    step; sampled requests still draft on the ``mtp`` stage.
     """
 
     model_dir: str | None = None
@@ -117,6 +120,7 @@ class EngineConfig:
     num_threads: int = 0
     profile_stages: bool = True
     confidence_stop: bool = False
+    fused_mtp: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -136,6 +140,8 @@ class EngineConfig:
             raise _bad("kv_high_water", self.kv_high_water, "must be in (0, 1]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise _bad("ngram_min", self.ngram_min, "need 1 <= ngram_min <= ngram_max")
+        if self.fused_mtp and self.method is not SpecMethod.MTP:
+            raise _bad("fused_mtp", self.fused_mtp, f"needs speculation=mtp (got {self.speculation})")
         if self.static_k is not None and self.static_k > self.max_draft_tokens:
             raise _bad("policy", self.policy, f"K exceeds max_draft_tokens={self.max_draft_tokens}")
 

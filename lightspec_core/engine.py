@@ -55,10 +55,12 @@ def resolve_dirs(cfg: EngineConfig) -> tuple[str, str, str]:
 
 def build_local_executor(cfg: EngineConfig) -> LocalExecutor:
     target, mtp, draft = resolve_dirs(cfg)
-    runners: dict[str, object] = {"target": ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, cfg.device)}
+    runners: dict[str, object] = {}
     if cfg.method is SpecMethod.MTP:
         runners["mtp"] = MTPRunner(target, mtp, cfg.device)
-    elif cfg.method is SpecMethod.DRAFT:
+    heads = runners["mtp"] if cfg.fused_mtp and cfg.speculative else None  # stateless: shared safely
+    runners["target"] = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, cfg.device, heads=heads)
+    if cfg.method is SpecMethod.DRAFT:
         runners["draft"] = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, cfg.device)
     return LocalExecutor(runners, threaded=cfg.pipeline_depth > 1)
 
@@ -112,6 +114,7 @@ class LLMEngine:
         if self.confidence is not None:
             policy.floors_wanted = True
         self.proposer = self._make_proposer(k)
+        self.fused = bool(k) and cfg.fused_mtp
         self.seqs: dict[str, Sequence] = {}
         self._inflight: deque[InFlight] = deque()
         self._aborts: list[str] = []
@@ -244,7 +247,10 @@ class LLMEngine:
         if self.confidence is not None:
             self.stats.counters["spec_decode_num_stopped_drafts_total"] += sum(it.k for it in plan.items) - num_drafts
         if num_drafts:
-            self.stats.observe("stage_latency_seconds", t1 - t0, {"stage": self.config.method.value})
+            fused = sum(len(p.draft_ids) for p in props if p.fused)
+            self.stats.counters["spec_decode_num_fused_drafts_total"] += fused
+            if fused < num_drafts:  # a proposer stage ran
+                self.stats.observe("stage_latency_seconds", t1 - t0, {"stage": self.config.method.value})
             self.cost.observe_propose(num_drafts, max(len(p.draft_ids) for p in props), t1 - t0)
         self._stage_seconds += t1 - t0
         ids: list[int] = []
@@ -269,12 +275,19 @@ class LLMEngine:
             flags += [sampled] * len(rows[-1])
         bt = pack_block_tables(tables)
         sample_rows = [r for rr in rows for r in rr]
+        mtp = self.config.method is SpecMethod.MTP and self.config.speculative
+        fused = np.zeros(0, np.int32)
+        if self.fused:  # the next step's drafts of greedy requests come back with this step
+            fused = np.array([it.seq.draft_cap(self.scheduler.max_k) if it.samples and it.seq.params.greedy else 0
+                              for it in plan.items], np.int32)
         call = ModelCall(
             input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
             query_lens=np.array(qlens, np.int32), block_tables=bt,
             sample_indices=np.array(sample_rows, np.int64),
             return_logits=np.array(flags if any(flags) and not all(flags) else [any(flags)]),
-            return_hidden=np.array([self.config.method is SpecMethod.MTP and self.config.speculative]),
+            # with fused drafts, only sampled requests draft from a hidden state in the engine
+            return_hidden=np.array([mtp and (not self.fused or any(not it.seq.params.greedy for it in plan.items))]),
+            mtp_drafts=fused,
         )
         # rows relative to the returned (sampled) outputs
         out_rows, n = [], 0
@@ -304,7 +317,7 @@ class LLMEngine:
         self.stats.counters["engine_steps_total"] += 1
         deltas = []
         probs = self._target_probs(f, res.logits) if len(res.logits) else None
-        for it, pr, rows, lrows in zip(f.plan.items, f.proposals, f.rows, f.logit_rows):
+        for b, (it, pr, rows, lrows) in enumerate(zip(f.plan.items, f.proposals, f.rows, f.logit_rows)):
             seq = it.seq
             if seq.aborted or seq.status is Status.FINISHED:
                 if seq.aborted and seq.status is not Status.FINISHED:
@@ -333,16 +346,35 @@ class LLMEngine:
             seq.num_computed += it.num_new + accepted
             seq.num_steps += 1
             seq.warm = True
-            if self.config.method is SpecMethod.MTP and len(res.hidden):
-                seq.last_hidden = res.hidden[rows[accepted]]
+            if self.config.method is SpecMethod.MTP:
+                seq.last_hidden = res.hidden[rows[accepted]] if len(res.hidden) else None
             seq.draft_computed = min(seq.draft_computed, seq.num_computed)
             d = self._append(seq, tokens)
+            if len(res.accepted) and seq.params.greedy:
+                self._keep_fused(seq, res, b, accepted)
             if d is not None:
                 deltas.append(d)
             if seq.status is Status.RUNNING:
                 self.blocks.trim(seq.request_id, seq.num_tokens)
                 self.blocks.set_used(seq.request_id, seq.num_computed)
         return deltas
+
+    @staticmethod
+    def _keep_fused(seq: Sequence, res, b: int, accepted: int) -> None:
+        """Keep the drafts the target stage proposed for this request's next step. They continue
+        from the stage's own greedy verification, which must agree with the engine's."""
+        seq.fused_ids = seq.fused_conf = None
+        if int(res.accepted[b]) < 0:  # none asked for (no sample row, or no draft allowed)
+            return
+        if int(res.accepted[b]) != accepted:
+            log.warning("fused MTP: stage accepted %d drafts of %s, the engine %d; drafts dropped",
+                        int(res.accepted[b]), seq.request_id, accepted)
+            return
+        row = res.next_draft_ids[b]
+        n = int((row >= 0).sum())
+        seq.fused_ids = row[:n].tolist()
+        seq.fused_conf = res.next_draft_conf[b, :n].tolist()
+        seq.fused_at = seq.num_tokens
 
     @staticmethod
     def _target_probs(f: InFlight, logits: np.ndarray) -> np.ndarray:

@@ -43,6 +43,11 @@ class Sequence:
         # speculation state
         self.last_hidden: np.ndarray | None = None  # target hidden at the last verified position
         self.draft_computed = 0  # tokens whose K/V the draft model holds
+        # fused MTP: the drafts the target stage proposed for the next step, valid while the
+        # sequence has ``fused_at`` tokens (see ModelCall.mtp_drafts)
+        self.fused_ids: list[int] | None = None
+        self.fused_conf: list[float] | None = None
+        self.fused_at = -1
         self.ngram_index = None  # the n-gram proposer's incremental index of token_ids (NgramIndex)
         self.warm = False  # a sampled step completed since (re)admission: proposers have their inputs
         self.num_draft = 0
@@ -108,5 +113,6 @@ class Sequence:
         self.num_computed = 0
         self.draft_computed = 0
         self.last_hidden = None
+        self.fused_ids = self.fused_conf = None
         self.warm = False
         self.status = Status.WAITING

@@ -32,6 +32,12 @@ class ModelCall:
     sample_indices: np.ndarray  # int64 [M] rows whose outputs are returned
     return_logits: np.ndarray  # bool [M] per sample row: return its logits (sampled requests); [1]: all or none
     return_hidden: np.ndarray  # bool [1]  True: final hidden states (for MTP heads)
+    # Fused MTP (a target stage with MTP heads): per request, how many drafts to propose for its
+    # next step. The stage verifies the request's drafts greedily (the longest prefix of drafts that
+    # are its top-1 tokens), then runs the heads from the hidden state of the last accepted row and
+    # the bonus token, as the engine would next step; a request's sample rows are its last-prompt or
+    # last-token row followed by one row per draft. Greedy requests only. Empty: no fused drafts.
+    mtp_drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
 
 
 @dataclass
@@ -39,6 +45,12 @@ class ModelResult:
     top1_ids: np.ndarray  # int64 [M]
     logits: np.ndarray  # fp32 [R, V]: the R rows marked in return_logits, in order ([0, V]: none)
     hidden: np.ndarray  # fp32 [M, H], or [0, H] when not requested
+    # Fused MTP (see ModelCall.mtp_drafts), [0, 0] / [0] without: each request's next drafts (-1
+    # past its count; greedy chain, confidence as in MTPCall) and the drafts it accepted this step
+    # (-1 for a request without sample rows or without fused drafts).
+    next_draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # int64 [B, K]
+    next_draft_conf: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # fp32 [B, K]
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
 
 
 @dataclass
@@ -89,9 +101,12 @@ def from_tensors(cls, tensors: dict[str, np.ndarray]):
 
 
 class ModelRunner:
-    """Owns one causal LM's weights and its paged KV pool; executes packed steps."""
+    """Owns one causal LM's weights and its paged KV pool; executes packed steps. With ``heads`` (an
+    :class:`MTPRunner` over the same target) it also proposes fused MTP drafts (``mtp_drafts``)."""
 
-    def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, device: str = "cpu"):
+    def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, device: str = "cpu",
+                 heads: MTPRunner | None = None):
+        self.heads = heads
         self.model = LlamaModel.load(model_dir).to(device)
         self.config = self.model.config
         self.block_size = block_size
@@ -113,11 +128,60 @@ class ModelRunner:
             hidden = self.model.forward_paged(batch, self.kv)
             logits = self.model.logits(hidden)
         h = self.config.hidden_size
-        return ModelResult(
-            top1_ids=logits.argmax(-1).cpu().numpy(),
+        top1 = logits.argmax(-1).cpu().numpy()
+        result = ModelResult(
+            top1_ids=top1,
             logits=_marked_rows(logits, call.return_logits, "return_logits").float().cpu().numpy(),
             hidden=hidden.float().cpu().numpy() if call.return_hidden[0] else np.zeros((0, h), np.float32),
         )
+        if np.asarray(call.mtp_drafts).size:
+            result.next_draft_ids, result.next_draft_conf, result.accepted = self._fused_drafts(call, top1, hidden)
+        return result
+
+    def _fused_drafts(self, call: ModelCall, top1: np.ndarray, hidden: torch.Tensor):
+        """Greedy verification of each request's drafts, then its next drafts from the MTP heads, in
+        this process right after the forward (see ``ModelCall.mtp_drafts``)."""
+        want = np.asarray(call.mtp_drafts, np.int32)
+        b = len(call.query_lens)
+        if self.heads is None:
+            raise ValueError("mtp_drafts: this stage has no MTP heads (stage parameter mtp_heads: on loads them)")
+        if want.shape != (b,):
+            raise ValueError(f"mtp_drafts: {want.size} values for {b} requests")
+        big_k = self.heads.num_heads
+        if want.size and (int(want.max()) > big_k or int(want.min()) < 0):
+            raise ValueError(f"mtp_drafts: values must be in 0..{big_k} (the MTP heads)")
+        rows = np.asarray(call.sample_indices, np.int64)
+        ids = np.asarray(call.input_ids, np.int64)
+        next_ids = np.full((b, big_k), -1, np.int64)
+        conf = np.zeros((b, big_k), np.float32)
+        accepted = np.full(b, -1, np.int32)
+        m = len(rows)
+        if m == 0:
+            return next_ids, conf, accepted
+        req = np.searchsorted(np.cumsum(call.query_lens), rows, side="right")  # each sample row's request
+        first_row = np.r_[True, req[1:] != req[:-1]]
+        last_row = np.r_[req[1:] != req[:-1], True]
+        # a row "stops" where its top-1 is not the next row's draft, or where the request ends
+        stops = last_row | (top1 != ids[np.minimum(rows + 1, len(ids) - 1)])
+        starts = np.flatnonzero(first_row)
+        bonus = np.minimum.reduceat(np.where(stops, np.arange(m), m), starts)  # first stopping row
+        owners = req[starts]
+        go = want[owners] > 0
+        if not go.any():
+            return next_ids, conf, accepted
+        owners, bonus = owners[go], bonus[go]
+        accepted[owners] = bonus - starts[go]
+        n = len(owners)
+        res = self.heads.execute(MTPCall(
+            hidden=hidden[torch.from_numpy(bonus).to(hidden.device)].float().cpu().numpy(),
+            last_ids=top1[bonus].astype(np.int64), num_tokens=want[owners],
+            temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+            uniforms=np.zeros((n, big_k), np.float32), return_probs=np.array([False]),
+            # a table of ones and no floor: every chain runs to its count, with its confidences
+            min_gain=np.zeros(n, np.float32), calibration=np.ones((2, 1, 1), np.float32),
+        ))
+        next_ids[owners], conf[owners] = res.draft_ids, res.draft_conf
+        return next_ids, conf, accepted
 
 
 def _marked_rows(rows: torch.Tensor, mask: np.ndarray, name: str) -> torch.Tensor:

@@ -160,3 +160,34 @@ def test_local_mtp_runs_in_the_orchestrator_and_needs_no_stage_model():
     assert cfg.stages_in_use() == ["target"] and cfg.local_stage("mtp")
     assert set(render_repository({"mtp_model": "local"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
     assert parse_backend_config({"speculation": "mtp"}).stages_in_use() == ["target", "mtp"]
+
+
+def test_fused_mtp_loads_the_heads_into_the_target_stage(tmp_path, smoke_model):
+    """``mtp_model: fused``: the engine gets fused drafts from the target stage (which the generated
+    repository gives ``mtp_heads: on`` and the heads' checkpoint), no MTP stage model is needed,
+    and a target stage without the heads is a load error naming the parameter."""
+    from lightspec_backend.repository import render_repository
+
+    cfg = parse_backend_config({"mtp_model": "fused", "speculation": "mtp"})
+    assert cfg.engine.fused_mtp and cfg.fused and cfg.local_stage("mtp") and cfg.stages_in_use() == ["target"]
+    assert not parse_backend_config({"mtp_model": "local"}).engine.fused_mtp
+    assert set(render_repository({"mtp_model": "fused"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
+    repo = write_model_repository(tmp_path / "fused", {"mtp_model": "fused", "model_dir": str(smoke_model / "target")})
+    target = parse_backend_config(read_config_parameters(repo / "lightspec_target" / "config.pbtxt"), base_dir=repo)
+    assert target.mtp_heads
+    check_checkpoints(target)  # the smoke family has heads
+    orch = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"), base_dir=repo)
+    assert check_stage_configs(orch, repo) == []
+    plain = write_model_repository(tmp_path / "plain", {"model_dir": str(smoke_model / "target"), "mtp_model": "local"})
+    with pytest.raises(ValueError, match=r"mtp_model='fused': stage model 'lightspec_target' does not load the MTP heads"):
+        check_stage_configs(parse_backend_config({"mtp_model": "fused", "model_dir": str(smoke_model / "target")},
+                                                 base_dir=plain), plain)
+    with pytest.raises(ValueError, match="mtp_heads='on': only a target stage"):
+        parse_backend_config({"mtp_heads": "on", "role": "draft"})
+    with pytest.raises(ValueError, match="mtp_model='fused': fused MTP heads need speculation=mtp"):
+        parse_backend_config({"mtp_model": "fused", "speculation": "ngram"})
+    with pytest.raises(ValueError, match="parameter fused_mtp='on': unknown parameter"):
+        parse_backend_config({"fused_mtp": "on"})
+    with pytest.raises(ValueError, match=r"parameter mtp_dir='.*nowhere'"):
+        check_checkpoints(parse_backend_config({"role": "target", "mtp_heads": "on", "model_dir": str(smoke_model / "target"),
+                                                "mtp_dir": str(tmp_path / "nowhere")}))

@@ -36,9 +36,16 @@ def test_configs_cross_methods_and_run_the_none_baseline_once():
     stop = bench.parse_configs(["dynamic", "dynamic+stop"], ["mtp"])
     assert [c.model_name for c in stop] == ["lightspec_mtp_dynamic", "lightspec_mtp_dynamic_stop"]
     assert "confidence_stop" not in stop[0].parameters(4) and stop[1].parameters(4)["confidence_stop"] == "on"
+    where = bench.parse_configs(["static:4+local", "static:4+fused", "dynamic+stop+fused"], ["mtp"])
+    assert [c.model_name for c in where] == ["lightspec_mtp_static_4_local", "lightspec_mtp_static_4_fused",
+                                             "lightspec_mtp_dynamic_stop_fused"]
+    assert [c.parameters(4)["mtp_model"] for c in where] == ["local", "fused", "fused"]
+    assert where[2].confidence_stop
+    assert bench.stages_for(where, {"mtp_model": "lightspec_mtp"}) == ["lightspec_target"]
 
 
-@pytest.mark.parametrize("bad", [["eagle"], ["static:x"], ["dynamic@3"], ["none", "off"], ["static:2+stop"]])
+@pytest.mark.parametrize("bad", [["eagle"], ["static:x"], ["dynamic@3"], ["none", "off"], ["static:2+stop"],
+                                 ["dynamic+remote"], ["dynamic+fused+stop"]])
 def test_bad_configs_are_refused_with_the_spec_named(bad):
     with pytest.raises(SystemExit, match="--configs"):
         bench.parse_configs(bad, ["mtp"])
@@ -57,6 +64,14 @@ def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp
         assert check_stage_configs(cfg, repo) == []  # same KV geometry and checkpoints as the stages
     target = read_config_parameters(repo / "lightspec_target" / "config.pbtxt")
     assert target["num_kv_blocks"] == "96"
+    assert target.get("mtp_heads", "off") == "off"
+    # a fused configuration: the shared target stage loads the heads, the others keep theirs
+    configs = bench.parse_configs(["static:4+local", "static:4+fused"], ["mtp"])
+    repo = bench.write_bench_repository(tmp_path / "fused", configs, {"mtp_model": "local"}, 4)
+    assert read_config_parameters(repo / "lightspec_target" / "config.pbtxt")["mtp_heads"] == "on"
+    for c, fused in zip(configs, (False, True)):
+        cfg = parse_backend_config(read_config_parameters(repo / c.model_name / "config.pbtxt"), base_dir=repo)
+        assert cfg.engine.fused_mtp == fused and check_stage_configs(cfg, repo) == []
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------

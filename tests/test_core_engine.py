@@ -241,3 +241,35 @@ def test_on_launched_runs_once_per_step_between_launch_and_completion(smoke_mode
         eng.close()
     assert len(seen) == steps and steps >= 2
     assert seen == [1] * steps  # the step's micro-batch was in flight when the callback ran
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("tiny_pool", [False, True], ids=["pool", "tiny-pool"])
+def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_setup, depth, tiny_pool):
+    """With ``fused_mtp`` the target stage proposes greedy requests' drafts along with each step:
+    output is still plain greedy decoding (with preemption and recompute too), the ``mtp`` stage is
+    never called for greedy requests, and every draft came fused. Sampled requests still draft on
+    the ``mtp`` stage, and their outputs are those of the unfused engine (same draws)."""
+    root, prompts, params, ref = exactness_setup
+    kw = dict(num_kv_blocks=40, block_size=8) if tiny_pool else {}
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="static:3",
+                                 pipeline_depth=depth, fused_mtp=True, **kw))
+    calls = []
+    submit = eng.executor.submit
+    eng.executor.submit = lambda stage, call: (calls.append(stage) if stage == "mtp" else None) or submit(stage, call)
+    try:
+        outs = eng.generate(prompts, params)
+        assert [o.output_token_ids for o in outs] == ref
+        assert calls == [], "a greedy request drafted on the mtp stage"
+        drafts = sum(o.num_draft_tokens for o in outs)
+        assert drafts > 0 and eng.stats.counters["spec_decode_num_fused_drafts_total"] == drafts
+        if tiny_pool:
+            assert eng.scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
+        mixed = [SamplingParams(max_tokens=24, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+                 for i in range(4)]
+        fused_out = eng.generate(prompts[:4], mixed)
+        assert calls, "sampled requests draft on the mtp stage"
+    finally:
+        eng.close()
+    plain, _ = run(root, prompts[:4], mixed, speculation="mtp", policy="static:3", pipeline_depth=depth, **kw)
+    assert [o.output_token_ids for o in fused_out] == [o.output_token_ids for o in plain]

@@ -252,3 +252,59 @@ def test_a_sampled_drafts_inclusion_does_not_depend_on_its_own_value(default_mod
         kept.add(tuple(res.draft_ids[:, 0] >= 0))
     assert len(kept) == 1
     assert 0 < sum(next(iter(kept))) < b, "the floor was meant to keep some first drafts, not all or none"
+
+
+def test_fused_drafts_follow_greedy_verification_then_equal_the_mtp_stage(default_model):
+    """A target stage with MTP heads (``mtp_drafts``) verifies each request's drafts greedily and
+    proposes its next drafts from the last accepted row: the accepted counts must be what
+    ``verify_greedy`` finds and the drafts what the ``mtp`` stage proposes from that row's hidden
+    state and bonus token. Requests: decoding with 2 good drafts and a bad one, a whole prompt, a
+    prompt chunk without a sample row, and one that asked for no drafts."""
+    from lightspec_core.stages import MTPCall, MTPRunner
+    from lightspec_core.verify import verify_greedy
+
+    target = default_model / "target"
+    heads = MTPRunner(target, default_model / "mtp")
+    runner = ModelRunner(target, 64, 16, heads=heads)
+    rng = np.random.default_rng(1)
+    vocab = runner.config.vocab_size
+    prompt_a = rng.integers(3, vocab, 20).tolist()
+    # the true greedy continuation of A: one token per call
+    out = [int(_call(runner, [(prompt_a, 0)], [[0, 1]]).top1_ids[-1])]
+    for i in range(3):
+        out.append(int(_call(runner, [(out[-1:], 20 + i)], [[0, 1]]).top1_ids[-1]))
+    drafts = [out[1], out[2], (out[3] + 1) % vocab]  # two right, the third wrong
+    reqs = [
+        (prompt_a[-1:] + [out[0]] + drafts, 19),  # A: re-feeds its last prompt token, then token + drafts
+        (rng.integers(3, vocab, 9).tolist(), 0),  # B: a whole prompt
+        (rng.integers(3, vocab, 7).tolist(), 0),  # C: a prompt chunk (no sample row)
+        (rng.integers(3, vocab, 5).tolist(), 0),  # D: a whole prompt, no drafts wanted
+    ]
+    qlens = [len(t) for t, _ in reqs]
+    ends = np.cumsum(qlens)
+    sample = [*range(1, ends[0]), ends[1] - 1, ends[3] - 1]  # A: its token and each draft; B, D: last row
+    tables = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    call = ModelCall(np.array([t for toks, _ in reqs for t in toks], np.int64),
+                     np.array([p for toks, s in reqs for p in range(s, s + len(toks))], np.int64),
+                     np.array(qlens, np.int32), np.array(tables, np.int32), np.array(sample, np.int64),
+                     np.array([False]), np.array([True]), mtp_drafts=np.array([4, 3, 2, 0], np.int32))
+    res = runner.execute(call)
+    top1 = res.top1_ids.tolist()
+    assert verify_greedy(drafts, top1[:4]) == [out[1], out[2], out[3]]  # 2 accepted, then the bonus
+    assert res.accepted.tolist() == [2, 0, -1, -1]
+    for b, row, n in ((0, 2, 4), (1, 4, 3)):  # the bonus row: A's third sample row, B's only one
+        alone = heads.execute(MTPCall(
+            hidden=res.hidden[row : row + 1], last_ids=np.array([top1[row]], np.int64),
+            num_tokens=np.array([n], np.int32), temperature=np.zeros(1, np.float32), top_k=np.zeros(1, np.int32),
+            top_p=np.ones(1, np.float32), uniforms=np.zeros((1, heads.num_heads), np.float32),
+            return_probs=np.array([False])))
+        assert res.next_draft_ids[b].tolist() == alone.draft_ids[0].tolist()
+        assert (res.next_draft_ids[b, :n] >= 0).all() and (res.next_draft_ids[b, n:] == -1).all()
+        assert ((res.next_draft_conf[b, :n] >= 0) & (res.next_draft_conf[b, :n] <= 1)).all()
+    assert (res.next_draft_ids[2:] == -1).all()
+    # without heads, or with a count per request missing: a clear error naming the field
+    with pytest.raises(ValueError, match="mtp_drafts: this stage has no MTP heads"):
+        ModelRunner(target, 64, 16).execute(call)
+    call.mtp_drafts = np.array([4, 3], np.int32)
+    with pytest.raises(ValueError, match="mtp_drafts: 2 values for 4 requests"):
+        runner.execute(call)

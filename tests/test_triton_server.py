@@ -41,6 +41,9 @@ def overrides(smoke_model) -> dict[str, str]:
 def server(tmp_path_factory, overrides):
     root = tmp_path_factory.mktemp("triton")
     repo = write_model_repository(root / "repo", overrides)
+    # The target stage loads the MTP heads too, so that a variant can run with mtp_model: fused.
+    fused = write_model_repository(root / "fused", {**overrides, "mtp_model": "fused"})
+    (repo / "lightspec_target" / "config.pbtxt").write_text((fused / "lightspec_target" / "config.pbtxt").read_text())
     # Not loaded at start: used to check that bad parameters fail the model load.
     bad = write_model_repository(root / "bad", {**overrides, "speculation": "eagle"})
     (repo / "lightspec_alt").mkdir()
@@ -407,23 +410,41 @@ def test_metrics_off_exports_no_families(server):
         client.unload_model("lightspec_alt")
 
 
+def alt_streams_match_the_engine(server, reference, prompts: list[str], max_tokens: int) -> None:
+    """Concurrent greedy streams to ``lightspec_alt``, each equal to the in-process engine's text."""
+    outs = {}
+
+    def run(p):
+        outs[p] = grpc_generate(server.grpc_url, model="lightspec_alt", text_input=p, max_tokens=max_tokens, stream=True)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for p in prompts:
+        results, err = outs[p]
+        assert err is None and "".join(texts(results)) == greedy(reference, p, max_tokens)
+
+
 def test_pipeline_depth_two_over_bls_matches_the_engine(server, reference):
     client = load_variant(server, pipeline_depth="2")
     try:
-        prompts = [f"def g{i}(a, b):" for i in range(4)]
-        outs = {}
+        alt_streams_match_the_engine(server, reference, [f"def g{i}(a, b):" for i in range(4)], 10)
+    finally:
+        client.unload_model("lightspec_alt")
 
-        def run(p):
-            outs[p] = grpc_generate(server.grpc_url, model="lightspec_alt", text_input=p, max_tokens=10, stream=True)
 
-        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        for p in prompts:
-            results, err = outs[p]
-            assert err is None and "".join(texts(results)) == greedy(reference, p, 10)
+def test_fused_mtp_over_bls_matches_the_engine(server, reference):
+    """``mtp_model: fused``: the target stage proposes the next drafts with every step; streamed
+    greedy output is still the engine's, and the drafts are counted as fused."""
+    client = load_variant(server, mtp_model="fused", policy="static:3")
+    try:
+        alt_streams_match_the_engine(server, reference, [f"def h{i}(x):" for i in range(3)], 12)
+        values = wait_for(lambda: (v := metrics(server)) and metric(v, "num_requests_running", model="lightspec_alt") == 0
+                          and v)
+        drafts = metric(values, "spec_decode_num_draft_tokens_total", model="lightspec_alt")
+        assert drafts > 0 and metric(values, "spec_decode_num_fused_drafts_total", model="lightspec_alt") == drafts
     finally:
         client.unload_model("lightspec_alt")
 
