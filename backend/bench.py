@@ -56,6 +56,7 @@ METHODS = ("mtp", "ngram", "draft")
 METHOD_STYLE = {"mtp": "-", "ngram": "-.", "draft": ":"}
 STAGES = {"mtp": "lightspec_mtp", "draft": "lightspec_draft"}
 TARGET_STAGE = "lightspec_target"
+STREAM_OUTPUTS = ("output_ids", "total_draft_tokens", "total_accepted_draft_tokens")  # what the bench client reads
 
 
 # ---- configurations ----------------------------------------------------------------------------------
@@ -461,13 +462,15 @@ class Stream:
         self.client = grpcclient.InferenceServerClient(url)
         self._q: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self._q.put((time.perf_counter(), result, error)))
+        # only what ``run`` reads: the server builds no other tensors for each streamed response
+        self.outputs = [grpcclient.InferRequestedOutput(n) for n in STREAM_OUTPUTS]
 
     def run(self, model: str, req: Request, t_send: float | None = None) -> Record:
         from .client import is_final
 
         inputs = req.inputs()
         rec = Record(req.prompt.kind, t_send if t_send is not None else time.perf_counter())
-        self.client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        self.client.async_stream_infer(model, inputs, outputs=self.outputs, enable_empty_final_response=True)
         while True:
             try:
                 t, result, error = self._q.get(timeout=self.timeout_s)

@@ -55,6 +55,12 @@ class _Entry:
         return self.state.request_id
 
 
+def requested_outputs(request) -> frozenset[str] | None:
+    """The output names a request asked for; ``None`` (all of them) when it named none."""
+    names = request.requested_output_names()
+    return frozenset(names) if names else None
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -108,7 +114,7 @@ class Orchestrator:
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        entry = _Entry(RequestState(rid, None), sender, request)
+        entry = _Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request)
         try:
             parsed = parse_request(get, self.max_model_len, self.vocab_size)
         except ValueError as e:

@@ -171,10 +171,8 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     stage_models = {}
     for stage, (param, default) in STAGE_MODEL_PARAMS.items():
         stage_models[stage] = params.get(param, "").strip() or default
-    if stage_models["mtp"] == FUSED and role is Role.ORCHESTRATOR:
-        if engine.method.value != "mtp":
-            raise _bad("mtp_model", FUSED, f"fused MTP heads need speculation=mtp (got {engine.speculation})")
-        engine.fused_mtp = True
+    if stage_models["mtp"] == FUSED and role is Role.ORCHESTRATOR and engine.method.value == "mtp":
+        engine.fused_mtp = True  # (other methods have no MTP heads to fuse: the setting is moot)
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models, mtp_heads=mtp_heads)
 
 

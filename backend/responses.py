@@ -28,6 +28,9 @@ class RequestState:
     num_input_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # the outputs the client asked for (None: all). Building only those matters at high
+    # concurrency: every streamed response's tensors are made under the interpreter lock
+    wanted: frozenset[str] | None = None
 
     def absorb(self, delta: RequestDelta) -> None:
         """Take a delta's counters (cumulative in the engine) and, when not streaming, its tokens."""
@@ -55,16 +58,18 @@ def build_response(state: RequestState, delta: RequestDelta) -> dict[str, np.nda
             text = state.prompt_text + text
         ids = state.ids
     rate = state.num_accepted_tokens / state.num_draft_tokens if state.num_draft_tokens else 0.0
-    out = {
-        "text_output": np.array([text.encode("utf-8")], dtype=object),
-        "output_ids": np.array(ids, dtype=np.int64),
-        "finish_reason": np.array([(delta.finish_reason or "").encode() if delta.finished else b""], dtype=object),
-        "total_draft_tokens": np.array([state.num_draft_tokens], dtype=np.int32),
-        "total_accepted_draft_tokens": np.array([state.num_accepted_tokens], dtype=np.int32),
-        "acceptance_rate": np.array([rate], dtype=np.float32),
+    make = {
+        "text_output": lambda: np.array([text.encode("utf-8")], dtype=object),
+        "output_ids": lambda: np.array(ids, dtype=np.int64),
+        "finish_reason": lambda: np.array([(delta.finish_reason or "").encode() if delta.finished else b""],
+                                          dtype=object),
+        "total_draft_tokens": lambda: np.array([state.num_draft_tokens], dtype=np.int32),
+        "total_accepted_draft_tokens": lambda: np.array([state.num_accepted_tokens], dtype=np.int32),
+        "acceptance_rate": lambda: np.array([rate], dtype=np.float32),
     }
     if req.return_num_input_tokens:
-        out["num_input_tokens"] = np.array([state.num_input_tokens], dtype=np.uint32)
+        make["num_input_tokens"] = lambda: np.array([state.num_input_tokens], dtype=np.uint32)
     if req.return_num_output_tokens:
-        out["num_output_tokens"] = np.array([len(ids)], dtype=np.uint32)
-    return out
+        make["num_output_tokens"] = lambda: np.array([len(ids)], dtype=np.uint32)
+    wanted = state.wanted
+    return {name: f() for name, f in make.items() if wanted is None or name in wanted}

@@ -102,13 +102,17 @@ class FakeSender:
 
 
 class FakeRequest:
-    def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "", pb=None):
+    def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "", pb=None,
+                 requested_outputs: list[str] | None = None):
         self.inputs = {k: FakeTensor(k, v) for k, v in inputs.items()}
         self.sender = FakeSender()
         self._id = request_id
         self._pb = pb
         self.model_name = ""
-        self.requested_output_names: list[str] = []
+        self._requested = list(requested_outputs or [])
+
+    def requested_output_names(self) -> list[str]:
+        return list(self._requested)
 
     def get_response_sender(self) -> FakeSender:
         return self.sender
@@ -201,8 +205,8 @@ class FakePbUtils(SimpleNamespace):
         pb = self
 
         def inference_request(model_name: str, inputs: list, requested_output_names: list, **kwargs):
-            r = FakeRequest({t.name(): t.as_numpy() for t in inputs}, pb=pb)
-            r.model_name, r.requested_output_names = model_name, list(requested_output_names)
+            r = FakeRequest({t.name(): t.as_numpy() for t in inputs}, pb=pb, requested_outputs=requested_output_names)
+            r.model_name = model_name
             return r
 
         self.InferenceRequest = inference_request

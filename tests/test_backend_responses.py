@@ -84,3 +84,17 @@ def test_output_dtypes_match_the_model_config():
     out = build_response(s, deltas()[0])
     for name, arr in out.items():
         assert arr.dtype == OUTPUT_SPECS[name].numpy_dtype, name
+
+
+def test_only_the_requested_outputs_are_built():
+    """A client that names its outputs gets those tensors only, in every streamed response and the
+    final one; a client that names none gets all of them."""
+    s = state(stream=True, return_num_output_tokens=True)
+    s.wanted = frozenset({"output_ids", "finish_reason", "num_output_tokens"})
+    outs = [build_response(s, d) for d in deltas()]
+    assert outs[1] is None
+    assert [sorted(o) for o in (outs[0], outs[2])] == [["finish_reason", "num_output_tokens", "output_ids"]] * 2
+    assert outs[0]["output_ids"].tolist() == [10, 11] and outs[2]["finish_reason"][0] == b"length"
+    everything = build_response(state(stream=True), deltas()[0])
+    assert {"text_output", "output_ids", "finish_reason", "total_draft_tokens", "total_accepted_draft_tokens",
+            "acceptance_rate"} == set(everything)

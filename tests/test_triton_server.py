@@ -71,14 +71,17 @@ def greedy(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
     return reference.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].text
 
 
-def grpc_generate(url: str, timeout: float = 120.0, model: str = "lightspec", **tensors):
-    """One request over a gRPC stream: (data results, error or None)."""
+def grpc_generate(url: str, timeout: float = 120.0, model: str = "lightspec", outputs: list[str] | None = None,
+                  **tensors):
+    """One request over a gRPC stream: (data results, error or None). ``outputs``: the output names
+    to ask for (default: none named, so all)."""
     client = grpcclient.InferenceServerClient(url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     out = []
+    wanted = [grpcclient.InferRequestedOutput(n) for n in outputs] if outputs else None
     try:
-        client.async_stream_infer(model, grpc_inputs(**tensors), enable_empty_final_response=True)
+        client.async_stream_infer(model, grpc_inputs(**tensors), outputs=wanted, enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:
@@ -157,6 +160,17 @@ def test_non_stream_includes_the_prompt_by_default_and_counts_tokens(server, ref
     drafted, accepted = result.as_numpy("total_draft_tokens")[0], result.as_numpy("total_accepted_draft_tokens")[0]
     rate = result.as_numpy("acceptance_rate")[0]
     assert 0 <= accepted <= drafted and rate == pytest.approx(accepted / drafted if drafted else 0.0)
+
+
+def test_a_stream_gets_only_the_outputs_it_names(server, reference):
+    results, err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=8, stream=True,
+                                 outputs=["output_ids", "finish_reason"])
+    assert err is None and len(results) >= 2
+    for r in results:
+        assert sorted(o.name for o in r.get_response().outputs) == ["finish_reason", "output_ids"]
+    ids = [int(t) for r in results for t in r.as_numpy("output_ids")]
+    assert reference.tokenizer.decode(ids) == greedy(reference, PROMPT, 8)
+    assert results[-1].as_numpy("finish_reason")[0] == b"length"
 
 
 def test_input_ids_prompt(server, reference):
