@@ -247,9 +247,9 @@ class LLMEngine:
         if self.confidence is not None:
             self.stats.counters["spec_decode_num_stopped_drafts_total"] += sum(it.k for it in plan.items) - num_drafts
         if num_drafts:
-            fused = sum(len(p.draft_ids) for p in props if p.fused)
-            self.stats.counters["spec_decode_num_fused_drafts_total"] += fused
-            if fused < num_drafts:  # a proposer stage ran
+            came_fused = sum(len(p.draft_ids) for p in props if p.fused)
+            self.stats.counters["spec_decode_num_fused_drafts_total"] += came_fused
+            if came_fused < num_drafts:  # a proposer stage ran
                 self.stats.observe("stage_latency_seconds", t1 - t0, {"stage": self.config.method.value})
             self.cost.observe_propose(num_drafts, max(len(p.draft_ids) for p in props), t1 - t0)
         self._stage_seconds += t1 - t0

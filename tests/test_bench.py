@@ -30,7 +30,7 @@ def test_configs_cross_methods_and_run_the_none_baseline_once():
         ("dynamic@2", "ngram", "lightspec_ngram_dynamic_d2"),
     ]
     assert runs[3].pipeline_depth == 2
-    assert bench.stages_for(runs) == ["lightspec_target"]  # default: MTP heads in the target stage (fused)
+    assert bench.stages_for(runs) == ["lightspec_target"]  # default: MTP heads inside the orchestrator
     assert bench.stages_for(runs, {"mtp_model": "lightspec_mtp"}) == ["lightspec_target", "lightspec_mtp"]
     assert bench.RunConfig("static:8", "mtp", "static:8").parameters(4)["max_draft_tokens"] == "8"
     stop = bench.parse_configs(["dynamic", "dynamic+stop"], ["mtp"])
@@ -64,9 +64,7 @@ def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp
         assert check_stage_configs(cfg, repo) == []  # same KV geometry and checkpoints as the stages
     target = read_config_parameters(repo / "lightspec_target" / "config.pbtxt")
     assert target["num_kv_blocks"] == "96"
-    assert target["mtp_heads"] == "on"  # the default: mtp_model fused
-    local = bench.write_bench_repository(tmp_path / "local", configs, {"mtp_model": "local"}, 4)
-    assert read_config_parameters(local / "lightspec_target" / "config.pbtxt").get("mtp_heads", "off") == "off"
+    assert target.get("mtp_heads", "off") == "off"  # the default: mtp_model local
     # a fused configuration: the shared target stage loads the heads, the others keep theirs
     configs = bench.parse_configs(["static:4+local", "static:4+fused"], ["mtp"])
     repo = bench.write_bench_repository(tmp_path / "fused", configs, {"mtp_model": "local"}, 4)
