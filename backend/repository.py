@@ -33,6 +33,7 @@ STAGE_TENSORS: dict[type, list[TensorSpec]] = {
         TensorSpec("return_logits", "BOOL", (-1,), optional=False),
         TensorSpec("return_hidden", "BOOL", (1,), optional=False),
         TensorSpec("mtp_drafts", "INT32", (-1,)),
+        TensorSpec("mtp_conf", "BOOL", (1,)),
     ],
     ModelResult: [
         TensorSpec("top1_ids", "INT64", (-1,)),

@@ -288,6 +288,7 @@ class LLMEngine:
             # with fused drafts, only sampled requests draft from a hidden state in the engine
             return_hidden=np.array([mtp and (not self.fused or any(not it.seq.params.greedy for it in plan.items))]),
             mtp_drafts=fused,
+            mtp_conf=np.array([self.fused and self.confidence is not None]),
         )
         # rows relative to the returned (sampled) outputs
         out_rows, n = [], 0

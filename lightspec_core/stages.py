@@ -38,6 +38,9 @@ class ModelCall:
     # the bonus token, as the engine would next step; a request's sample rows are its last-prompt or
     # last-token row followed by one row per draft. Greedy requests only. Empty: no fused drafts.
     mtp_drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
+    # with fused drafts: also return each draft's confidence (an engine with a confidence stop);
+    # without, the heads take an argmax, not the top two, and skip the confidence arithmetic
+    mtp_conf: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # bool [1]
 
 
 @dataclass
@@ -46,8 +49,8 @@ class ModelResult:
     logits: np.ndarray  # fp32 [R, V]: the R rows marked in return_logits, in order ([0, V]: none)
     hidden: np.ndarray  # fp32 [M, H], or [0, H] when not requested
     # Fused MTP (see ModelCall.mtp_drafts), [0, 0] / [0] without: each request's next drafts (-1
-    # past its count; greedy chain, confidence as in MTPCall) and the drafts it accepted this step
-    # (-1 for a request without sample rows or without fused drafts).
+    # past its count; greedy chain), their confidences (as in MTPCall; 0 without mtp_conf) and the
+    # drafts it accepted this step (-1 for a request without sample rows or without fused drafts).
     next_draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # int64 [B, K]
     next_draft_conf: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # fp32 [B, K]
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
@@ -177,8 +180,9 @@ class ModelRunner:
             last_ids=top1[bonus].astype(np.int64), num_tokens=want[owners],
             temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
             uniforms=np.zeros((n, big_k), np.float32), return_probs=np.array([False]),
-            # a table of ones and no floor: every chain runs to its count, with its confidences
-            min_gain=np.zeros(n, np.float32), calibration=np.ones((2, 1, 1), np.float32),
+            # confidences wanted: a table of ones and no floor, so every chain runs to its count
+            min_gain=np.zeros(n, np.float32),
+            calibration=np.ones((2, 1, 1) if bool(np.asarray(call.mtp_conf).any()) else (0, 0, 0), np.float32),
         ))
         next_ids[owners], conf[owners] = res.draft_ids, res.draft_conf
         return next_ids, conf, accepted

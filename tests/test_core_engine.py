@@ -195,14 +195,15 @@ def test_a_failed_profile_leaves_generic_costs_and_serving_intact(smoke_model):
     assert not eng.cost.calibrated and eng.blocks.usage() == 0.0
 
 
-def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup):
+@pytest.mark.parametrize("fused", [False, True], ids=["mtp-stage", "fused"])
+def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup, fused):
     """With ``confidence_stop`` the dynamic policy's MTP chains stop where the heads' confidence
     says a draft does not pay: some granted slots go unused, the confidence table learns from what
     is verified, and greedy output is still exactly plain greedy decoding. (The policy's floors
     depend on measured stage times; a fixed floor of 0.5 makes the stops certain here.)"""
     root, prompts, params, ref = exactness_setup
     eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="dynamic",
-                                 confidence_stop=True))
+                                 confidence_stop=True, fused_mtp=fused))
     policy, choose = eng.scheduler.policy, eng.scheduler.policy.choose
     assert policy.floors_wanted  # the policy computes floors for this engine's stop
 
@@ -219,6 +220,10 @@ def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup):
     assert [o.output_token_ids for o in outs] == ref
     assert eng.stats.counters["spec_decode_num_stopped_drafts_total"] > 0
     assert sum(o.num_accepted_tokens for o in outs) > 0
+    if fused:  # the stop cut the target stage's drafts, with the confidences it returned
+        assert eng.stats.counters["spec_decode_num_fused_drafts_total"] == sum(o.num_draft_tokens for o in outs)
+        learned = eng.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()
+        assert learned[0, :, 1:].any(), "only the zero-confidence bucket learned: no confidences came back"
     assert (eng.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()).any()
     outs, eng = run(root, prompts, params, speculation="mtp", policy="dynamic")  # the default: off
     assert [o.output_token_ids for o in outs] == ref

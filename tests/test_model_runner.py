@@ -287,7 +287,8 @@ def test_fused_drafts_follow_greedy_verification_then_equal_the_mtp_stage(defaul
     call = ModelCall(np.array([t for toks, _ in reqs for t in toks], np.int64),
                      np.array([p for toks, s in reqs for p in range(s, s + len(toks))], np.int64),
                      np.array(qlens, np.int32), np.array(tables, np.int32), np.array(sample, np.int64),
-                     np.array([False]), np.array([True]), mtp_drafts=np.array([4, 3, 2, 0], np.int32))
+                     np.array([False]), np.array([True]), mtp_drafts=np.array([4, 3, 2, 0], np.int32),
+                     mtp_conf=np.array([True]))
     res = runner.execute(call)
     top1 = res.top1_ids.tolist()
     assert verify_greedy(drafts, top1[:4]) == [out[1], out[2], out[3]]  # 2 accepted, then the bonus
