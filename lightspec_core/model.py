@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -448,6 +449,12 @@ class FoldedMTPHead:
       ``[V, H]`` table, ``embed_norm(E) @ W_tok^T``, looked up by token id.
     - Gate and up projections are one matrix, and the output norm folds into this head's copy of
       the (draft-vocabulary) LM head.
+
+    A single row (a lone request, the common case at low load) has :meth:`one_row`, the same
+    arithmetic in numpy over the same memory: on the 2-core CPU of the benchmarks a numpy
+    matrix-vector product and elementwise op cost about half what torch's dispatch does for one row
+    (four heads after a target step, in process: 0.47-0.59 ms against 1.05-1.13 ms), and a server's
+    lone request pays its heads every step. From two rows on, torch's GEMM wins.
     """
 
     def __init__(self, head: MTPHead, embed: torch.Tensor, lm_weight: torch.Tensor):
@@ -463,6 +470,8 @@ class FoldedMTPHead:
             self.w_lm = (lm_weight * head.out_norm.weight).contiguous()  # [V_draft, H]
         self.eps = eps
         self.h = h
+        # numpy views of the same storage (no copy) for one_row
+        self._np = tuple(t.numpy() for t in (self.w_state, self.tok_table, self.w_gate_up, self.w_down, self.w_lm))
 
     def __call__(self, state: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """state [B, H], tok [B] -> (next state [B, H], logits over the LM head's rows [B, V_draft])."""
@@ -471,6 +480,19 @@ class FoldedMTPHead:
         gate, up = F.linear(F.rms_norm(x, shape, eps=self.eps), self.w_gate_up).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, self.w_down)
         return x, F.linear(F.rms_norm(x, shape, eps=self.eps), self.w_lm)
+
+    def one_row(self, state: np.ndarray, tok: int) -> tuple[np.ndarray, np.ndarray]:
+        """``__call__`` for one row in numpy: state fp32 [H], token id -> (next state [H], logits
+        [V_draft]). SiLU as ``g * (1 + tanh(g / 2)) / 2``, the same function without ``exp``'s
+        overflow."""
+        w_state, tok_table, w_gate_up, w_down, w_lm = self._np
+        x = w_state @ self._normed(state) + tok_table[tok]
+        gate, up = np.split(w_gate_up @ self._normed(x), 2)
+        x = x + w_down @ (gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up)
+        return x, w_lm @ self._normed(x)
+
+    def _normed(self, x: np.ndarray) -> np.ndarray:
+        return x * np.float32(1.0 / math.sqrt(float(x @ x) / self.h + self.eps))
 
 
 def frequent_tokens(ids: torch.Tensor, vocab_size: int, n: int) -> list[int]:

@@ -257,6 +257,11 @@ class MTPRunner:
             floor = np.asarray(call.min_gain, np.float32)[rows]
             mode = (np.asarray(call.temperature, np.float32)[rows] > 0).astype(np.int64)
             cum = np.ones(len(rows), np.float32)
+        # a lone greedy row runs its heads in numpy (FoldedMTPHead.one_row): a chain of one row
+        # never drops rows, and its state never needs torch
+        one = len(rows) == 1 and all_greedy and dev == "cpu"
+        if one:
+            state = state[0].numpy()
         for i in range(kmax):
             if i:  # drop the rows whose drafts are complete (rows stay in input order)
                 keep = ks[rows] > i
@@ -269,7 +274,11 @@ class MTPRunner:
                                                          for t in (state, tok, temp, top_k, top_p, u))
                     if stop:
                         floor, mode, cum = floor[keep], mode[keep], cum[keep]
-            state, logits = self.folded[i](state, tok)  # logits over the draft vocabulary
+            if one:
+                state, row = self.folded[i].one_row(state, int(tok[0]))
+                logits = torch.from_numpy(row).unsqueeze(0)
+            else:
+                state, logits = self.folded[i](state, tok)  # logits over the draft vocabulary
             if stop:  # the two best logits: their gap is a greedy draft's confidence
                 top2, idx2 = logits.topk(2, -1)
                 pick = idx2[:, 0]

@@ -188,7 +188,43 @@ def test_folded_mtp_heads_equal_the_trained_modules(default_model):
             torch.testing.assert_close(got_state, ref_state, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(got_logits, ref_logits, atol=1e-4, rtol=1e-4)
             assert torch.equal(got_logits.argmax(-1), ref_logits.argmax(-1))
+            for r in range(3):  # the one-row numpy form of the same head
+                np_state, np_logits = folded.one_row(state[r].numpy(), int(tok[r]))
+                np.testing.assert_allclose(np_state, ref_state[r].numpy(), atol=1e-4, rtol=1e-4)
+                np.testing.assert_allclose(np_logits, ref_logits[r].numpy(), atol=1e-4, rtol=1e-4)
+                assert np_logits.dtype == np.float32 and int(np_logits.argmax()) == int(ref_logits[r].argmax())
             state, tok = ref_state, runner.vocab_ids[ref_logits.argmax(-1)]
+
+
+def test_lone_greedy_row_drafts_as_in_a_batch(default_model):
+    """A lone greedy request's heads run in numpy (one_row), a batch's in torch: each row gets the
+    same drafts and confidences either way, with and without a confidence stop."""
+    from lightspec_core.stages import MTPCall, MTPRunner
+
+    runner = MTPRunner(default_model / "target", default_model / "mtp")
+    rng = np.random.default_rng(3)
+    b, h = 12, runner.target.config.hidden_size
+    hidden = (rng.standard_normal((b, h)) * 3).astype(np.float32)
+    last = rng.integers(3, runner.vocab_size, b)
+    ks = rng.integers(1, 5, b).astype(np.int32)
+
+    def call(rows, stop: bool) -> MTPCall:
+        n = len(rows)
+        return MTPCall(
+            hidden=hidden[rows], last_ids=last[rows], num_tokens=ks[rows], temperature=np.zeros(n, np.float32),
+            top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), uniforms=np.zeros((n, 4), np.float32),
+            return_probs=np.array([False]), min_gain=np.full(n, 0.5 if stop else 0.0, np.float32),
+            calibration=_stop_table(5) if stop else np.zeros((0, 0, 0), np.float32),
+        )
+
+    for stop in (False, True):
+        whole = runner.execute(call(np.arange(b), stop))
+        for r in range(b):
+            lone = runner.execute(call(np.array([r]), stop))
+            assert np.array_equal(lone.draft_ids[0], whole.draft_ids[r]), (stop, r)
+            np.testing.assert_allclose(lone.draft_conf[0], whole.draft_conf[r], atol=1e-4)
+        if stop:  # the stop did cut some chains short, so both paths were compared on it
+            assert ((whole.draft_ids >= 0).sum(1) < ks).any()
 
 
 def _stop_table(threshold_bucket: int, k: int = 4, buckets: int = 10) -> np.ndarray:
