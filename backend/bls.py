@@ -16,7 +16,15 @@ from dataclasses import fields
 
 import numpy as np
 
-from lightspec_core.stages import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
+from lightspec_core.stages import (
+    ModelCall,
+    ModelResult,
+    MTPCall,
+    MTPResult,
+    from_tensors,
+    submit_timed,
+    to_tensors,
+)
 
 RESULT_TYPES = {ModelCall: ModelResult, MTPCall: MTPResult}
 
@@ -39,7 +47,7 @@ class BLSExecutor:
             raise ValueError(f"stage {stage!r}: no stage model configured (known: {sorted(self.stage_models)})")
         if type(call) not in RESULT_TYPES:
             raise TypeError(f"stage {stage!r}: cannot send a {type(call).__name__}")
-        return self._pools[stage].submit(self.call, self.stage_models[stage], call)
+        return submit_timed(self._pools[stage], self.call, self.stage_models[stage], call)
 
     def call(self, model: str, call):
         """Blocking BLS call: dataclass in, result dataclass out."""

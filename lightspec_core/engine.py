@@ -80,7 +80,10 @@ class InFlight:
 
 
 def _stamp_done(fut: Future) -> None:
-    fut.t_done = time.perf_counter()
+    """For an executor whose futures come without ``t_done`` (see ``Executor``): late by whatever
+    the waiting thread does before the callback gets the interpreter."""
+    if not hasattr(fut, "t_done"):
+        fut.t_done = time.perf_counter()
 
 
 class LLMEngine:

@@ -123,3 +123,21 @@ def test_stage_model_sets_torch_threads_by_call_size(smoke_model):
         step(n)
     ex.close()
     assert calls == [1, 3, 1]
+
+
+def test_bls_futures_carry_the_time_the_stage_answered(smoke_model):
+    """The future of a BLS call is stamped (``t_done``) in the calling thread when the call returned,
+    before its result is visible, so the engine's measure of the stage ends there."""
+    import time
+
+    target, _, _ = resolve_dirs(config(smoke_model, "none"))
+    pb = FakePbUtils()
+    pb.models["t"] = StageModel(Role.TARGET, ModelRunner(target, BLOCKS, BLOCK), pb)
+    ex = BLSExecutor({"target": "t"}, pb)
+    t0 = time.perf_counter()
+    fut = ex.submit("target", ModelCall(
+        np.arange(3, 7, dtype=np.int64), np.arange(4, dtype=np.int64), np.array([4], np.int32),
+        np.arange(2, dtype=np.int32).reshape(1, 2), np.array([3], np.int64), np.array([False]), np.array([False])))
+    assert fut.result().top1_ids.shape == (1,)
+    assert t0 < fut.t_done <= time.perf_counter()
+    ex.close()

@@ -278,3 +278,71 @@ def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_
         eng.close()
     plain, _ = run(root, prompts[:4], mixed, speculation="mtp", policy="static:3", pipeline_depth=depth, **kw)
     assert [o.output_token_ids for o in fused_out] == [o.output_token_ids for o in plain]
+
+
+class LateAnswerExecutor:
+    """Delivers each target answer ``delay`` seconds after the stage stamped it (``t_done``): what a
+    thread that keeps the interpreter after the answer arrives does to a done-callback's stamp."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def submit(self, stage, call):
+        import threading
+        import time
+
+        inner = self.inner.submit(stage, call)
+        if stage != "target":
+            return inner
+        outer: Future = Future()
+
+        def deliver():
+            time.sleep(self.delay)
+            if hasattr(inner, "t_done"):  # an executor without stamps: the engine stamps on delivery
+                outer.t_done = inner.t_done
+            outer.set_result(inner.result())
+
+        threading.Thread(target=deliver, daemon=True).start()
+        return outer
+
+    def close(self):
+        self.inner.close()
+
+
+def test_target_latency_is_when_the_stage_answered_not_when_the_engine_noticed(smoke_model):
+    """The target stage's latency (its metric and the policy's cost model) ends at the future's
+    ``t_done``, stamped where the stage answered, not when the engine's thread got to look."""
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="none", profile_stages=False)
+    eng = LLMEngine(cfg, executor=LateAnswerExecutor(build_local_executor(cfg), delay=0.05))
+    out = eng.generate(["x = 1"], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    eng.close()
+    assert len(out.output_token_ids) == 3
+    seen = [v for name, v, labels in eng.stats.drain_observations()
+            if name == "stage_latency_seconds" and labels == {"stage": "target"}]
+    assert len(seen) == 3 and max(seen) < 0.05  # each step took >= 50 ms to be delivered
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_local_stage_futures_carry_the_time_the_stage_answered(threaded):
+    import time
+
+    from lightspec_core.stages import LocalExecutor
+
+    class Runner:
+        def execute(self, call):
+            time.sleep(0.01)
+            if call == "fail":
+                raise ValueError("bad call")
+            self.end = time.perf_counter()
+            return call
+
+    runner = Runner()
+    ex = LocalExecutor({"s": runner}, threaded=threaded)
+    fut = ex.submit("s", "ok")
+    assert fut.result() == "ok"
+    assert runner.end <= fut.t_done <= time.perf_counter()
+    bad = ex.submit("s", "fail")
+    with pytest.raises(ValueError, match="bad call"):
+        bad.result()
+    assert bad.t_done <= time.perf_counter()
+    ex.close()
