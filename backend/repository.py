@@ -87,11 +87,12 @@ def default_parameters() -> dict[str, str]:
         if key == "metrics":
             out[key] = "on"
         elif key == "mtp_model":
-            # MTP heads inside the orchestrator: one BLS round trip less per step, which on CPU beats
-            # a separate stage process; in the target stage (mtp_model: fused) the heads cost as
-            # much, and with the dynamic policy c=1 was slower (README, Benchmarks).
-            # --set mtp_model=fused|lightspec_mtp
-            out[key] = LOCAL
+            # MTP heads in the target stage (fused): a step is one BLS call, and the heads run right
+            # after the target's forward. Since a lone request's heads run in numpy it beats heads in
+            # the orchestrator (local) in 13 of 16 side-by-side rounds at c=1-64, by 6-8 % on average
+            # (README, Benchmarks); local beats a separate stage process.
+            # --set mtp_model=local|lightspec_mtp
+            out[key] = FUSED
         elif key == "num_threads":
             # The orchestrator's own torch work (MTP heads at mtp_model=local, rejection sampling) is
             # many small kernels: a second intra-op thread barely speeds them up, and its spinning

@@ -64,7 +64,11 @@ def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp
         assert check_stage_configs(cfg, repo) == []  # same KV geometry and checkpoints as the stages
     target = read_config_parameters(repo / "lightspec_target" / "config.pbtxt")
     assert target["num_kv_blocks"] == "96"
-    assert target.get("mtp_heads", "off") == "off"  # the default: mtp_model local
+    assert target["mtp_heads"] == "on"  # the default: mtp_model fused, the target stage proposes drafts
+    assert all(parse_backend_config(read_config_parameters(repo / c.model_name / "config.pbtxt"),
+                                    base_dir=repo).engine.fused_mtp == (c.method == "mtp") for c in configs)
+    local = bench.write_bench_repository(tmp_path / "local", configs[:1], {"mtp_model": "local"}, 4)
+    assert read_config_parameters(local / "lightspec_target" / "config.pbtxt").get("mtp_heads", "off") == "off"
     # a fused configuration: the shared target stage loads the heads, the others keep theirs
     configs = bench.parse_configs(["static:4+local", "static:4+fused"], ["mtp"])
     repo = bench.write_bench_repository(tmp_path / "fused", configs, {"mtp_model": "local"}, 4)
