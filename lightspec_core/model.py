@@ -454,7 +454,9 @@ class FoldedMTPHead:
     arithmetic in numpy over the same memory: on the 2-core CPU of the benchmarks a numpy
     matrix-vector product and elementwise op cost about half what torch's dispatch does for one row
     (four heads after a target step, in process: 0.47-0.59 ms against 1.05-1.13 ms), and a server's
-    lone request pays its heads every step. From two rows on, torch's GEMM wins.
+    lone request pays its heads every step. More rows stay in torch: row by row in numpy was cheaper
+    in process up to 6 rows (1.39 against 1.59 ms) but not in the server at c=4
+    (``docs/results/ab_rowwise_heads.json``).
     """
 
     def __init__(self, head: MTPHead, embed: torch.Tensor, lm_weight: torch.Tensor):
