@@ -340,19 +340,23 @@ def submit_timed(pool: ThreadPoolExecutor, fn, *args) -> Future:
     fut: Future = Future()
 
     def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            result = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, as pool.submit does
-            fut.t_done = time.perf_counter()
-            fut.set_exception(e)
-        else:
-            fut.t_done = time.perf_counter()
-            fut.set_result(result)
+        if fut.set_running_or_notify_cancel():
+            _settle(fut, fn, *args)
 
     pool.submit(run)
     return fut
+
+
+def _settle(fut: Future, fn, *args) -> None:
+    """Run ``fn`` and hand its result or exception to ``fut``, stamping ``t_done`` first."""
+    try:
+        result = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, as pool.submit does
+        fut.t_done = time.perf_counter()
+        fut.set_exception(e)
+    else:
+        fut.t_done = time.perf_counter()
+        fut.set_result(result)
 
 
 class LocalExecutor:
@@ -370,14 +374,7 @@ class LocalExecutor:
         if self.threaded:
             return submit_timed(self._pools[stage], runner.execute, call)
         fut: Future = Future()
-        try:
-            result = runner.execute(call)
-        except Exception as e:  # surfaced to the engine through the future, like a BLS error
-            fut.t_done = time.perf_counter()
-            fut.set_exception(e)
-        else:
-            fut.t_done = time.perf_counter()
-            fut.set_result(result)
+        _settle(fut, runner.execute, call)  # a failure reaches the engine through the future, like a BLS error
         return fut
 
     def close(self) -> None:
