@@ -14,6 +14,8 @@ here loads in ``transformers`` and vice versa.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from threadpoolctl import ThreadpoolController
 from torch import nn
 
 
@@ -495,6 +498,25 @@ class FoldedMTPHead:
 
     def _normed(self, x: np.ndarray) -> np.ndarray:
         return x * np.float32(1.0 / math.sqrt(float(x @ x) / self.h + self.eps))
+
+
+@functools.cache
+def _numpy_blas():
+    """numpy's own BLAS libraries in this process (OpenBLAS in numpy's wheels), not torch's."""
+    return ThreadpoolController().select(user_api="blas")
+
+
+def single_thread_blas():
+    """Context: numpy's BLAS runs on the calling thread only (:meth:`FoldedMTPHead.one_row`).
+
+    numpy's OpenBLAS keeps its own pool of threads, one per core, beside torch's OpenMP pool; run
+    right after a torch forward on a 2-core machine, a 256 x 1024 matrix-vector product handed to
+    two OpenBLAS threads while torch's threads still spin waited up to a millisecond per head
+    instead of 0.1 ms: a fused target call at one request took 10-12 ms instead of 3-4 ms, in
+    phases that came and went (``docs/results/ab_single_thread_blas.json``). One thread is plenty
+    for a product of one row. Entering and leaving costs about 6 us."""
+    blas = _numpy_blas()
+    return blas.limit(limits=1) if blas.lib_controllers else contextlib.nullcontext()
 
 
 def frequent_tokens(ids: torch.Tensor, vocab_size: int, n: int) -> list[int]:

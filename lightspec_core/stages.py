@@ -9,6 +9,7 @@ tensor name of the stage models (see README "Stage models").
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -18,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .model import FoldedMTPHead, LlamaModel, MTPHeads, PagedBatch
+from .model import FoldedMTPHead, LlamaModel, MTPHeads, PagedBatch, single_thread_blas
 from .sampling import probs_from_logits, sample_with_uniforms
 
 
@@ -263,60 +264,62 @@ class MTPRunner:
         one = len(rows) == 1 and all_greedy and dev == "cpu"
         if one:
             state = state[0].numpy()
-        for i in range(kmax):
-            if i:  # drop the rows whose drafts are complete (rows stay in input order)
-                keep = ks[rows] > i
-                if not keep.any():
-                    break
-                if not keep.all():
-                    rows = rows[keep]
-                    sel = torch.from_numpy(np.flatnonzero(keep)).to(dev)
-                    state, tok, temp, top_k, top_p, u = (t.index_select(0, sel)
-                                                         for t in (state, tok, temp, top_k, top_p, u))
-                    if stop:
-                        floor, mode, cum = floor[keep], mode[keep], cum[keep]
-            if one:
-                state, row = self.folded[i].one_row(state, int(tok[0]))
-                logits = torch.from_numpy(row).unsqueeze(0)
-            else:
-                state, logits = self.folded[i](state, tok)  # logits over the draft vocabulary
-            if stop:  # the two best logits: their gap is a greedy draft's confidence
-                top2, idx2 = logits.topk(2, -1)
-                pick = idx2[:, 0]
-            else:
-                pick = logits.argmax(-1)
-            q = None
-            if not all_greedy and not bool((greedy := temp == 0).all()):
-                q = probs_from_logits(logits, temp, top_k, top_p)
-                pick = torch.where(greedy, pick, sample_with_uniforms(q, u[:, i]))
-            tok = pick if self.vocab_ids is None else self.vocab_ids[pick]
-            out_rows, out_sel = rows, None
-            if stop:
-                # greedy row: 1 - exp(-gap of the two best logits); sampled row: q's top
-                # probability. Never q of the drawn token: whether a sampled draft is verified must
-                # not depend on its own value, or rejection sampling no longer yields the target's
-                # distribution (the stop would favour the tokens q is sure of)
-                gap = top2.float().cpu().numpy()
-                conf = -np.expm1(gap[:, 1] - gap[:, 0])
-                if q is not None:
-                    conf = np.where(greedy.cpu().numpy(), conf, q.amax(-1).float().cpu().numpy())
-                bucket = np.minimum((conf * buckets).astype(np.int64), buckets - 1)
-                cum = cum * cal[mode, min(i, last_pos), bucket]
-                kept = cum >= floor
-                if not kept.all():  # these rows end here, without this draft
-                    ks[rows[~kept]] = i
-                    out_rows, out_sel = rows[kept], torch.from_numpy(np.flatnonzero(kept)).to(dev)
-                confs[out_rows, i] = conf[kept]
-            if q is not None:
-                if out_sel is not None:
-                    q = q.index_select(0, out_sel)
-                if self.vocab_ids is None:
-                    probs_out[out_rows, i] = q.cpu()
+        # numpy's BLAS on this thread only (see single_thread_blas); torch's ops are unaffected
+        with single_thread_blas() if one else contextlib.nullcontext():
+            for i in range(kmax):
+                if i:  # drop the rows whose drafts are complete (rows stay in input order)
+                    keep = ks[rows] > i
+                    if not keep.any():
+                        break
+                    if not keep.all():
+                        rows = rows[keep]
+                        sel = torch.from_numpy(np.flatnonzero(keep)).to(dev)
+                        state, tok, temp, top_k, top_p, u = (t.index_select(0, sel)
+                                                             for t in (state, tok, temp, top_k, top_p, u))
+                        if stop:
+                            floor, mode, cum = floor[keep], mode[keep], cum[keep]
+                if one:
+                    state, row = self.folded[i].one_row(state, int(tok[0]))
+                    logits = torch.from_numpy(row).unsqueeze(0)
                 else:
-                    full = torch.zeros((len(out_rows), v), dtype=torch.float32)
-                    full[:, self.vocab_ids.cpu()] = q.float().cpu()
-                    probs_out[out_rows, i] = full
-            ids[out_rows, i] = (tok if out_sel is None else tok.index_select(0, out_sel)).cpu()
+                    state, logits = self.folded[i](state, tok)  # logits over the draft vocabulary
+                if stop:  # the two best logits: their gap is a greedy draft's confidence
+                    top2, idx2 = logits.topk(2, -1)
+                    pick = idx2[:, 0]
+                else:
+                    pick = logits.argmax(-1)
+                q = None
+                if not all_greedy and not bool((greedy := temp == 0).all()):
+                    q = probs_from_logits(logits, temp, top_k, top_p)
+                    pick = torch.where(greedy, pick, sample_with_uniforms(q, u[:, i]))
+                tok = pick if self.vocab_ids is None else self.vocab_ids[pick]
+                out_rows, out_sel = rows, None
+                if stop:
+                    # greedy row: 1 - exp(-gap of the two best logits); sampled row: q's top
+                    # probability. Never q of the drawn token: whether a sampled draft is verified must
+                    # not depend on its own value, or rejection sampling no longer yields the target's
+                    # distribution (the stop would favour the tokens q is sure of)
+                    gap = top2.float().cpu().numpy()
+                    conf = -np.expm1(gap[:, 1] - gap[:, 0])
+                    if q is not None:
+                        conf = np.where(greedy.cpu().numpy(), conf, q.amax(-1).float().cpu().numpy())
+                    bucket = np.minimum((conf * buckets).astype(np.int64), buckets - 1)
+                    cum = cum * cal[mode, min(i, last_pos), bucket]
+                    kept = cum >= floor
+                    if not kept.all():  # these rows end here, without this draft
+                        ks[rows[~kept]] = i
+                        out_rows, out_sel = rows[kept], torch.from_numpy(np.flatnonzero(kept)).to(dev)
+                    confs[out_rows, i] = conf[kept]
+                if q is not None:
+                    if out_sel is not None:
+                        q = q.index_select(0, out_sel)
+                    if self.vocab_ids is None:
+                        probs_out[out_rows, i] = q.cpu()
+                    else:
+                        full = torch.zeros((len(out_rows), v), dtype=torch.float32)
+                        full[:, self.vocab_ids.cpu()] = q.float().cpu()
+                        probs_out[out_rows, i] = full
+                ids[out_rows, i] = (tok if out_sel is None else tok.index_select(0, out_sel)).cpu()
         return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(), draft_conf=confs)
 
 

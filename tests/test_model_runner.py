@@ -345,3 +345,37 @@ def test_fused_drafts_follow_greedy_verification_then_equal_the_mtp_stage(defaul
     call.mtp_drafts = np.array([4, 3], np.int32)
     with pytest.raises(ValueError, match="mtp_drafts: 2 values for 4 requests"):
         runner.execute(call)
+
+
+def test_lone_row_heads_run_with_numpy_blas_on_one_thread(default_model, monkeypatch):
+    """numpy's OpenBLAS pool competes with torch's OpenMP threads for the cores right after a
+    forward (a fused target call at one request took 10-12 ms instead of 3-4 on 2 cores): the
+    one-row heads run with numpy's BLAS limited to the calling thread, and the limit is lifted after."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from lightspec_core.model import FoldedMTPHead
+    from lightspec_core.stages import MTPCall, MTPRunner
+
+    def blas_threads() -> list[int]:
+        return [d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"]
+
+    seen = []
+    real = FoldedMTPHead.one_row
+
+    def spy(self, state, tok):
+        seen.append(blas_threads())
+        return real(self, state, tok)
+
+    monkeypatch.setattr(FoldedMTPHead, "one_row", spy)
+    runner = MTPRunner(default_model / "target", default_model / "mtp")
+    h = runner.target.config.hidden_size
+    with threadpool_limits(limits=2, user_api="blas"):  # two threads, as on the 2-core benchmark machine
+        before = blas_threads()
+        assert before and set(before) == {2}, before  # numpy's OpenBLAS is there to be limited
+        out = runner.execute(MTPCall(
+            hidden=np.ones((1, h), np.float32), last_ids=np.array([5]), num_tokens=np.array([4], np.int32),
+            temperature=np.zeros(1, np.float32), top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
+            uniforms=np.zeros((1, 4), np.float32), return_probs=np.array([False])))
+        assert (out.draft_ids[0] >= 0).all()
+        assert len(seen) == 4 and all(t == [1] * len(before) for t in seen)
+        assert blas_threads() == before
