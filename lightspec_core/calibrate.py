@@ -38,6 +38,9 @@ class ProfileSpec:
     hidden_size: int
     reps: int = 3
     vocab_size: int = 0  # for timing the target distribution of sampled rows (0: not timed)
+    # fused MTP: the target stage runs the heads for every greedy request of a step (K drafts each,
+    # whatever k it verifies), so the profiled target calls do too
+    fused_mtp: bool = False
 
 
 def profile_sizes(max_num_seqs: int) -> list[int]:
@@ -88,7 +91,10 @@ class _Timer:
         return best
 
 
-def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False) -> ModelCall:
+def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False,
+                 fused: int = 0) -> ModelCall:
+    """``b`` requests verifying ``k`` drafts each; ``fused``: each also asks for that many next drafts
+    from the stage's MTP heads (their rows stop at the first draft, as any mismatch does)."""
     q = 1 + k
     return ModelCall(
         input_ids=np.full(b * q, 3, np.int64),
@@ -98,6 +104,7 @@ def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logit
         sample_indices=np.arange(b * q, dtype=np.int64),
         return_logits=np.array([logits]),
         return_hidden=np.array([hidden]),
+        mtp_drafts=np.full(b if fused else 0, fused, np.int32),
     )
 
 
@@ -145,27 +152,34 @@ def calibrate(executor: Executor, spec: ProfileSpec,
     ctx0 = max(1, min(256, room // 2))
     ctx1 = max(ctx0, min(2 * ctx0, room))
     table = list(range(-(-(ctx1 + big_k + 1) // bs)))
-    hidden = spec.method is SpecMethod.MTP
+    # fused MTP: greedy requests' next drafts come back from the target call instead of its hidden
+    # states, and no proposer call runs between two target calls
+    fused = big_k if spec.fused_mtp and spec.method is SpecMethod.MTP else 0
+    hidden = spec.method is SpecMethod.MTP and not fused
+
+    def target(b: int, k: int, ctx: int, logits: bool = False) -> ModelCall:
+        return _target_call(b, k, ctx, table, hidden, logits, fused)
+
     sizes = profile_sizes(spec.max_num_seqs)
     proposer = {SpecMethod.MTP: "mtp", SpecMethod.DRAFT: "draft"}.get(spec.method) if big_k >= 1 else None
-    if proposer == "mtp":
+    if proposer == "mtp" and not fused:
         timer.before["target"] = ("mtp", _mtp_call(1, big_k, big_k, spec.hidden_size))
     elif proposer == "draft":
         timer.before["target"] = ("draft", _target_call(1, 0, ctx0, table, False))
     if proposer:
-        timer.before[proposer] = ("target", _target_call(1, 0, ctx0, table, hidden))
+        timer.before[proposer] = ("target", _target_call(1, 0, ctx0, table, spec.method is SpecMethod.MTP))
     fixed, drafted = [], []  # drafted: (drafts, extra seconds) at each size, or None
     for b in sizes:
         k = min(big_k, spec.max_num_batched_tokens // b - 1)
-        t0 = timer("target", _target_call(b, 0, ctx0, table, hidden))
+        t0 = timer("target", target(b, 0, ctx0))
         fixed.append(t0)
-        drafted.append((b * k, timer("target", _target_call(b, k, ctx0, table, hidden)) - t0) if k >= 1 else None)
+        drafted.append((b * k, timer("target", target(b, k, ctx0)) - t0) if k >= 1 else None)
     # the context term, from the largest batch (where it is largest and best measured)
     b_max = sizes[-1]
     largest = fixed[-1] + (drafted[-1][1] if drafted[-1] else 0.0)  # its step with drafts, as timed
     per_context = 0.0
     if ctx1 > ctx0:
-        t1 = timer("target", _target_call(b_max, 0, ctx1, table, hidden))
+        t1 = timer("target", target(b_max, 0, ctx1))
         per_context = max(t1 - fixed[-1], 0.0) / (b_max * (ctx1 - ctx0))
     # the engine passes the context apart: requests x (longest position + 1), which drafts lengthen
     fixed = [f - per_context * b * (ctx0 + 1) for f, b in zip(fixed, sizes)]
@@ -182,7 +196,7 @@ def calibrate(executor: Executor, spec: ProfileSpec,
     # a sampled request's rows: logits returned by the stage, and the engine's target distribution
     k_last = drafted[-1][0] // b_max if drafted[-1] else 0
     rows = b_max * (1 + k_last)
-    with_logits = timer("target", _target_call(b_max, k_last, ctx0, table, hidden, logits=True))
+    with_logits = timer("target", target(b_max, k_last, ctx0, logits=True))
     per_logits_row = max(with_logits - largest, 0.0) / rows + _probs_seconds(rows, spec.vocab_size, clock) / rows
     verify = VerifyCost(sizes, fixed, per_draft, per_context, per_prefill, per_logits_row)
 

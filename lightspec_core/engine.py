@@ -228,7 +228,7 @@ class LLMEngine:
         cfg = self.config
         spec = ProfileSpec(cfg.method, self.scheduler.max_k, cfg.block_size, cfg.num_kv_blocks, cfg.max_num_seqs,
                            cfg.max_num_batched_tokens, self.max_model_len, self.model_config.hidden_size,
-                           vocab_size=self.model_config.vocab_size)
+                           vocab_size=self.model_config.vocab_size, fused_mtp=self.fused)
         try:
             self.cost.verify, self.cost.propose = calibrate(self.executor, spec)
         except Exception:  # a profile is an optimisation: serve with generic costs rather than fail

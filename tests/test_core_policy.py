@@ -204,6 +204,7 @@ class _FakeStages:
 
     def __init__(self):
         self.now = 0.0
+        self.target_calls = []
 
     def clock(self):
         return self.now
@@ -221,6 +222,8 @@ class _FakeStages:
                 t = 1e-3 + 3e-4 * b + (5e-4 if b <= 4 else 1e-4) * b * (q - 1) + 1e-6 * b * ctx
             if np.asarray(call.return_logits).any():  # 20 us per row of logits sent back
                 t += 2e-5 * len(call.sample_indices)
+            t += 1.5e-4 * int(np.asarray(call.mtp_drafts).sum())  # fused MTP heads: per head and request
+            self.target_calls.append(call)
         else:  # mtp
             k = int(call.num_tokens.max())
             t = 2e-4 * k + 5e-5 * len(call.num_tokens) * k
@@ -252,6 +255,36 @@ def test_calibration_recovers_the_stage_costs_against_batch_size():
         truth = 1e-3 + 3e-4 * b + 1e-6 * ctx
         assert abs(v.predict(b, 0, ctx) - truth) < 1e-6
     assert abs(p.per_depth - 2e-4) < 1e-9 and abs(p.per_draft - 5e-5) < 1e-9 and p.fixed < 1e-9
+
+
+def test_a_fused_profile_prices_the_heads_in_each_request_not_in_each_draft():
+    """With fused MTP every greedy request of a step runs all K heads inside the target call,
+    whatever k it verifies: the profile's target calls ask for them (and for no hidden states), so
+    their cost lands in the per-request part and a draft costs what verifying it costs. Profiled
+    without them, the running scale that absorbs the difference would inflate the price of every
+    draft as well (by 1.4-2.4x in process), and the policy would draft too little."""
+    from lightspec_core.calibrate import ProfileSpec, calibrate
+    from lightspec_core.config import SpecMethod
+
+    stages = _FakeStages()
+    spec = ProfileSpec(SpecMethod.MTP, 4, 16, 1024, 64, 2048, 1024, 8, fused_mtp=True)
+    v, _ = calibrate(stages, spec, clock=stages.clock)
+    steps = [c for c in stages.target_calls if int(c.query_lens.max()) <= 64]  # not the prompt chunk
+    fused = [c for c in steps if c.mtp_drafts.size]
+    assert {len(c.query_lens) for c in fused} == {1, 2, 4, 8, 16, 32, 64}
+    for call in fused:
+        assert call.mtp_drafts.tolist() == [4] * len(call.query_lens) and not call.return_hidden[0]
+    # the rest: the call that precedes each timing of the MTP stage (which sampled requests still
+    # use), returning hidden states as it does for them
+    assert all(c.return_hidden[0] and len(c.query_lens) == 1 for c in steps if not c.mtp_drafts.size)
+    assert abs(v.draft_cost(1) - 5e-4) < 1e-9 and abs(v.draft_cost(64) - 1e-4) < 1e-9
+    for b, ctx in ((1, 300), (16, 5000), (64, 20000)):
+        truth = 1e-3 + 3e-4 * b + 4 * 1.5e-4 * b + 1e-6 * ctx
+        assert abs(v.predict(b, 0, ctx) - truth) < 1e-6
+    plain = _FakeStages()  # unfused: hidden states back, no heads in the target call
+    calibrate(plain, ProfileSpec(SpecMethod.MTP, 4, 16, 1024, 64, 2048, 1024, 8), clock=plain.clock)
+    assert all(c.mtp_drafts.size == 0 for c in plain.target_calls)
+    assert any(c.return_hidden[0] for c in plain.target_calls)
 
 
 def test_a_lone_request_drafts_less_than_each_request_of_a_full_batch():
