@@ -666,6 +666,55 @@ COLUMNS = [
 ]
 
 
+def dynamic_vs_static(runs: list[dict]) -> list[dict]:
+    """The issue's comparisons, per method that has a ``dynamic`` run: at each closed-loop level,
+    ``dynamic`` against ``none`` and against the static depth with the best (median) throughput
+    there, as the ratio of the two medians and round by round (``throughput_repeats`` come in round
+    order; a round runs every configuration once, so one slow round slows both sides of its ratio);
+    then, over the levels, the mean of ``dynamic``'s ratios to ``none`` against that of the static
+    depth whose mean is best (``load`` = None). Rows: method, load, best static, ratio, per-round
+    ratios, and ``dynamic`` x ``none``."""
+    closed = [r for r in runs if r.get("rate") is None]
+    base = {r["concurrency"]: r for r in closed if r["method"] == "none"}
+    out = []
+    for method in dict.fromkeys(r["method"] for r in closed if r["config"].startswith("dynamic")):
+        dyn = {r["concurrency"]: r for r in closed if r["method"] == method and r["config"] == "dynamic"}
+        static = [r for r in closed if r["method"] == method and r["config"].startswith("static")]
+        x_none: dict[str, dict[int, float]] = {}  # config -> level -> throughput x none
+        for c, d in dyn.items():
+            rivals = [r for r in static if r["concurrency"] == c]
+            if c in base:
+                for r in (d, *rivals):
+                    x_none.setdefault(r["config"], {})[c] = r["throughput_tok_s"] / base[c]["throughput_tok_s"]
+            if not rivals:
+                continue
+            best = max(rivals, key=lambda r: r["throughput_tok_s"])
+            rounds = [a / b for a, b in zip(d.get("throughput_repeats") or [], best.get("throughput_repeats") or [])
+                      if a and b]
+            out.append({"method": method, "load": c, "best_static": best["config"],
+                        "ratio": d["throughput_tok_s"] / best["throughput_tok_s"], "rounds": rounds,
+                        "dynamic_x_none": x_none.get("dynamic", {}).get(c)})
+        levels = sorted(x_none.get("dynamic", {}))
+        means = {cfg: sum(v[c] for c in levels) / len(levels) for cfg, v in x_none.items()
+                 if levels and all(c in v for c in levels)}
+        statics = [cfg for cfg in means if cfg != "dynamic"]
+        if "dynamic" in means and statics and len(levels) > 1:
+            best = max(statics, key=means.get)
+            out.append({"method": method, "load": None, "best_static": best, "ratio": means["dynamic"] / means[best],
+                        "rounds": [], "dynamic_x_none": means["dynamic"]})
+    return out
+
+
+def format_comparison(rows: list[dict]) -> str:
+    lines = ["dynamic against the best static depth (ratio of medians; round by round) and against none:"]
+    for r in rows:
+        where = f"c={r['load']}" if r["load"] is not None else "mean of levels"
+        rounds = f"  [{' '.join(f'{x:.2f}' for x in r['rounds'])}]" if r["rounds"] else ""
+        x_none = f"  dynamic {r['dynamic_x_none']:.2f}x none" if r["dynamic_x_none"] is not None else ""
+        lines.append(f"  {r['method']:<6} {where:>14}  {r['best_static']:<9} {r['ratio']:.2f}x{rounds}{x_none}")
+    return "\n".join(lines)
+
+
 def format_table(runs: list[dict]) -> str:
     """One row per run, with throughput and mean-latency ratios against ``none`` at the same load."""
     head = f"{'config':<12} {'method':<6} {'load':>7} " + " ".join(f"{h:>{w}}" for h, w, _, _ in COLUMNS)
@@ -1068,6 +1117,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t_start
     print()
     print(format_table(runs))
+    comparison = dynamic_vs_static(runs)
+    if comparison:
+        print()
+        print(format_comparison(comparison))
     print(f"\n{len(runs)} runs in {elapsed:.0f}s")
     if args.json:
         meta = {
@@ -1079,7 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
             "elapsed_s": elapsed,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        Path(args.json).write_text(json.dumps({"runs": runs, "meta": meta}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"runs": runs, "comparison": comparison, "meta": meta}, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
         plot(runs, args.plot)

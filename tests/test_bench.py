@@ -216,6 +216,34 @@ def test_repeats_keep_the_median_throughput_run_per_configuration_and_load():
     assert merged[0]["throughput_repeats"] == [10.0, 30.0, 20.0]
 
 
+def test_dynamic_is_compared_with_the_best_static_depth_per_level_round_by_round_and_on_average():
+    def run(config, method, c, repeats):
+        ranked = sorted(repeats)
+        return {"config": config, "method": method, "concurrency": c, "rate": None,
+                "throughput_tok_s": ranked[(len(ranked) - 1) // 2], "throughput_repeats": repeats}
+
+    runs = [run("none", "none", 1, [100, 80, 90]), run("none", "none", 8, [400, 400, 400]),
+            run("static:1", "mtp", 1, [150, 120, 130]), run("static:4", "mtp", 1, [200, 100, 170]),
+            run("static:1", "mtp", 8, [700, 600, 640]), run("static:4", "mtp", 8, [500, 500, 520]),
+            run("dynamic", "mtp", 1, [180, 110, 160]), run("dynamic", "mtp", 8, [720, 560, 600])]  # fmt: skip
+    rows = bench.dynamic_vs_static(runs)
+    by_load = {r["load"]: r for r in rows}
+    # c=1: static:4 has the best median (170 > 130); dynamic's median 160
+    assert by_load[1]["best_static"] == "static:4" and by_load[1]["ratio"] == pytest.approx(160 / 170)
+    assert by_load[1]["rounds"] == pytest.approx([180 / 200, 110 / 100, 160 / 170])
+    assert by_load[1]["dynamic_x_none"] == pytest.approx(160 / 90)
+    # c=8: static:1 is the best there
+    assert by_load[8]["best_static"] == "static:1" and by_load[8]["ratio"] == pytest.approx(600 / 640)
+    # over the levels: static:1 averages (130/90 + 640/400) / 2 = 1.522x none, static:4 (170/90 + 500/400) / 2
+    # = 1.569x: static:4 is the best on average, and dynamic's (160/90 + 600/400) / 2 = 1.639x is 1.04x it
+    mean = by_load[None]
+    assert mean["best_static"] == "static:4"
+    assert mean["ratio"] == pytest.approx((160 / 90 + 600 / 400) / (170 / 90 + 500 / 400))
+    printed = bench.format_comparison(rows)
+    assert re.search(r"mtp\s+c=1\s+static:4\s+0\.94x\s+\[0\.90 1\.10 0\.94\]\s+dynamic 1\.78x none", printed), printed
+    assert bench.dynamic_vs_static([r for r in runs if r["config"] != "dynamic"]) == []
+
+
 # ---- one short sweep through a real server --------------------------------------------------------------------
 @pytest.mark.triton
 def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_model, tmp_path, monkeypatch, capsys):
