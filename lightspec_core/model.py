@@ -506,7 +506,9 @@ class FoldedMTPHead:
 
 @functools.cache
 def _numpy_blas():
-    """numpy's own BLAS libraries in this process (OpenBLAS in numpy's wheels), not torch's."""
+    """The BLAS libraries threadpoolctl finds in this process: numpy's OpenBLAS with the pip wheels
+    (torch's MKL is linked into torch and not seen; where it is a library of its own it is limited
+    too, only while a lone row's heads run, which make no torch call)."""
     return ThreadpoolController().select(user_api="blas")
 
 
