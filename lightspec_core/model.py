@@ -520,7 +520,12 @@ def single_thread_blas():
     two OpenBLAS threads while torch's threads still spin waited up to a millisecond per head
     instead of 0.1 ms: a fused target call at one request took 10-12 ms instead of 3-4 ms, in
     phases that came and went (``docs/results/ab_single_thread_blas.json``). One thread is plenty
-    for a product of one row. Entering and leaving costs about 6 us."""
+    for a product of one row. Entering and leaving costs about 6 us.
+
+    OpenBLAS's pool is shared by the process, and threadpoolctl lets only one Python thread control
+    it (the first that sets a limit): where another thread runs lone rows (a second stage in a
+    threaded in-process executor) the limit does nothing there, and its products keep OpenBLAS's
+    threads, as before."""
     blas = _numpy_blas()
     return blas.limit(limits=1) if blas.lib_controllers else contextlib.nullcontext()
 
