@@ -351,10 +351,14 @@ def test_lone_row_heads_run_with_numpy_blas_on_one_thread(default_model, monkeyp
     """numpy's OpenBLAS pool competes with torch's OpenMP threads for the cores right after a
     forward (a fused target call at one request took 10-12 ms instead of 3-4 on 2 cores): the
     one-row heads run with numpy's BLAS limited to the calling thread, and the limit is lifted after."""
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import OpenBLASController, threadpool_info, threadpool_limits
 
     from lightspec_core.model import FoldedMTPHead
     from lightspec_core.stages import MTPCall, MTPRunner
+
+    # threadpoolctl lets one Python thread control OpenBLAS's shared pool, the first that set a limit;
+    # an earlier test's stage thread may still hold it. This test's thread (where the heads run) takes it.
+    monkeypatch.setattr(OpenBLASController._SHARED_STATE, "controlling_thread", None)
 
     def blas_threads() -> list[int]:
         return [d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"]
