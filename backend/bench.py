@@ -677,7 +677,7 @@ def dynamic_vs_static(runs: list[dict]) -> list[dict]:
     closed = [r for r in runs if r.get("rate") is None]
     base = {r["concurrency"]: r for r in closed if r["method"] == "none"}
     out = []
-    for method in dict.fromkeys(r["method"] for r in closed if r["config"].startswith("dynamic")):
+    for method in dict.fromkeys(r["method"] for r in closed if r["config"] == "dynamic"):
         dyn = {r["concurrency"]: r for r in closed if r["method"] == method and r["config"] == "dynamic"}
         static = [r for r in closed if r["method"] == method and r["config"].startswith("static")]
         x_none: dict[str, dict[int, float]] = {}  # config -> level -> throughput x none
@@ -696,9 +696,9 @@ def dynamic_vs_static(runs: list[dict]) -> list[dict]:
                         "dynamic_x_none": x_none.get("dynamic", {}).get(c)})
         levels = sorted(x_none.get("dynamic", {}))
         means = {cfg: sum(v[c] for c in levels) / len(levels) for cfg, v in x_none.items()
-                 if levels and all(c in v for c in levels)}
+                 if all(c in v for c in levels)}
         statics = [cfg for cfg in means if cfg != "dynamic"]
-        if "dynamic" in means and statics and len(levels) > 1:
+        if len(levels) > 1 and statics:
             best = max(statics, key=means.get)
             out.append({"method": method, "load": None, "best_static": best, "ratio": means["dynamic"] / means[best],
                         "rounds": [], "dynamic_x_none": means["dynamic"]})
