@@ -788,6 +788,10 @@ class ModelSwitcher:
 
         self.client = grpcclient.InferenceServerClient(url)
         self.managed = set(managed)
+        self.active: str | None = None  # what the last activate() loaded
+
+    def is_active(self, model: str) -> bool:
+        return self.active == model and self._ready(model)
 
     def activate(self, model: str, timeout_s: float = 600.0) -> None:
         from tritonclient.utils import InferenceServerException
@@ -814,9 +818,12 @@ class ModelSwitcher:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"model {model!r} not ready after {timeout_s:.0f}s")
             time.sleep(0.2)
+        self.active = model
 
     def deactivate(self, model: str, timeout_s: float = 120.0) -> None:
         """Unload and wait: Triton's unload returns before the model's ``finalize`` has run."""
+        if self.active == model:
+            self.active = None
         self.client.unload_model(model)
         deadline = time.monotonic() + timeout_s
         while self._state(model) not in ("UNAVAILABLE", None):
@@ -892,6 +899,7 @@ class BenchPlan:
     # every worker sends several; rate runs get 8 s of arrivals (at least the minimum)
     requests_rule: tuple[int, int] = (16, 2)
     repeats: int = 1
+    order: str = "level"  # see sweep_order
 
     def num_requests(self, load: Load) -> int:
         if self.requests:
@@ -955,24 +963,49 @@ def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan:
     return run
 
 
+def sweep_order(configs: list, loads: list, rnd: int, order: str = "level") -> list[tuple]:
+    """The (configuration, load) runs of round ``rnd``.
+
+    ``level`` (default): load by load, every configuration back to back, in serpentine order (the
+    direction flips from one load to the next and from one round to the next). The runs a ratio
+    compares are then a minute apart instead of a whole round, so a machine that drifts (a shared
+    2-vCPU host changes speed from minute to minute) moves both sides alike, no configuration is
+    always first or last, and consecutive loads share their boundary configuration (one model switch
+    fewer per load). It costs a model switch per configuration and load, against one per
+    configuration for ``config`` (each configuration through all loads, the previous order)."""
+    if order == "config":
+        return [(c, load) for c in configs for load in loads]
+    if order != "level":
+        raise ValueError(f"order={order!r}: expected level or config")
+    seq = []
+    for i, load in enumerate(loads):
+        forward = (i + rnd) % 2 == 0
+        seq += [(c, load) for c in (configs if forward else configs[::-1])]
+    return seq
+
+
 def run_bench(url: str, metrics_url: str | None, plan: BenchPlan, log=print) -> list[dict]:
-    """Every configuration at every load, one orchestrator loaded at a time; with ``plan.repeats``
-    > 1, the whole sweep is repeated in rounds (so a burst of background load does not hit only one
-    configuration) and each (configuration, load) keeps its median-throughput run."""
+    """Every configuration at every load, one orchestrator loaded at a time, in the order of
+    :func:`sweep_order`; with ``plan.repeats`` > 1 the sweep is repeated in rounds and each
+    (configuration, load) keeps its median-throughput run. Runs come back configuration by
+    configuration, loads in the plan's order, whatever order they ran in."""
     switcher = ModelSwitcher(url, [c.model_name for c in plan.configs])
     runs = []
     try:
         for rnd in range(plan.repeats):
             if plan.repeats > 1:
                 log(f"round {rnd + 1} of {plan.repeats}")
-            for cfg in plan.configs:
-                t0 = time.perf_counter()
-                switcher.activate(cfg.model_name)
-                log(f"{cfg.model_name}: ready in {time.perf_counter() - t0:.1f}s")
-                for load in plan.loads:
-                    runs.append({**run_one(url, metrics_url, cfg, load, plan, log), "repeat": rnd})
+            for cfg, load in sweep_order(plan.configs, plan.loads, rnd, plan.order):
+                if not switcher.is_active(cfg.model_name):
+                    t0 = time.perf_counter()
+                    switcher.activate(cfg.model_name)
+                    log(f"{cfg.model_name}: ready in {time.perf_counter() - t0:.1f}s")
+                runs.append({**run_one(url, metrics_url, cfg, load, plan, log), "repeat": rnd})
     finally:
         switcher.close()
+    rank = {(c.model_name, lv.concurrency, lv.rate): (i, j)
+            for i, c in enumerate(plan.configs) for j, lv in enumerate(plan.loads)}
+    runs.sort(key=lambda r: (*rank.get((r["model"], r["concurrency"], r.get("rate")), (0, 0)), r["repeat"]))
     return median_runs(runs) if plan.repeats > 1 else runs
 
 
@@ -1031,6 +1064,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=200, help="max tokens of a default prompt")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1, help="repeat the sweep in rounds; keep each run's median")
+    p.add_argument(
+        "--order",
+        choices=("level", "config"),
+        default="level",
+        help="level (default): at each load every configuration back to back, serpentine; config: each "
+        "configuration through all loads (fewer model switches, ratios over minutes of drift)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="short warm-up requests before each run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", help="target checkpoint (default: the embedded model)")
@@ -1105,6 +1145,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan.requests_rule = requests_rule(bool(quick), args.workload)
     plan.repeats = max(1, args.repeats)
+    plan.order = args.order
     load = os.getloadavg()[0]
     if load > 0.5:
         print(f"note: load average {load:.1f} before the bench: other processes share the CPU, results will be noisy")

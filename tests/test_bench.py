@@ -216,6 +216,22 @@ def test_repeats_keep_the_median_throughput_run_per_configuration_and_load():
     assert merged[0]["throughput_repeats"] == [10.0, 30.0, 20.0]
 
 
+def test_sweep_runs_each_load_back_to_back_in_serpentine_order():
+    configs, loads = ["none", "s1", "s4", "dyn"], [1, 4, 16]
+    r0 = bench.sweep_order(configs, loads, 0)
+    r1 = bench.sweep_order(configs, loads, 1)
+    for seq in (r0, r1):  # every run once per round, one load at a time
+        assert sorted(seq) == sorted((c, lv) for c in configs for lv in loads)
+        assert [lv for _, lv in seq] == [1] * 4 + [4] * 4 + [16] * 4
+    assert [c for c, _ in r0] == configs + configs[::-1] + configs
+    assert [c for c, _ in r1] == configs[::-1] + configs + configs[::-1]  # the next round starts the other way
+    # consecutive loads share their boundary configuration: no model switch there
+    assert all(r0[4 * i + 3][0] == r0[4 * i + 4][0] for i in range(2))
+    assert bench.sweep_order(configs, loads, 1, "config") == [(c, lv) for c in configs for lv in loads]
+    with pytest.raises(ValueError, match="order='random'"):
+        bench.sweep_order(configs, loads, 0, "random")
+
+
 def test_dynamic_is_compared_with_the_best_static_depth_per_level_round_by_round_and_on_average():
     def run(config, method, c, repeats):
         ranked = sorted(repeats)
@@ -258,6 +274,12 @@ def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_mode
     pid = int(re.search(r"tritonserver pid (\d+)", printed).group(1))
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
+    # they ran load by load, serpentine (none, dynamic at c=1; dynamic, none at c=2) ...
+    ran = re.findall(r"^\s+(\w+)\s+(\S+)\s+(c=\d+)\s+[\d.]+ tok/s", printed, flags=re.M)
+    assert ran == [("none", "none", "c=1"), ("mtp", "dynamic", "c=1"), ("mtp", "dynamic", "c=2"),
+                   ("none", "none", "c=2")], printed  # fmt: skip
+    assert len(re.findall(r": ready in", printed)) == 3  # one switch saved at the c=1/c=2 boundary
+    # ... and come back configuration by configuration
     runs = json.loads(out.read_text())["runs"]
     assert [(r["config"], r["method"], r["concurrency"]) for r in runs] == [
         ("none", "none", 1), ("none", "none", 2), ("dynamic", "mtp", 1), ("dynamic", "mtp", 2)]  # fmt: skip
