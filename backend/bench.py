@@ -968,11 +968,13 @@ def sweep_order(configs: list, loads: list, rnd: int, order: str = "level") -> l
 
     ``level`` (default): load by load, every configuration back to back, in serpentine order (the
     direction flips from one load to the next and from one round to the next). The runs a ratio
-    compares are then a minute apart instead of a whole round, so a machine that drifts (a shared
-    2-vCPU host changes speed from minute to minute) moves both sides alike, no configuration is
-    always first or last, and consecutive loads share their boundary configuration (one model switch
-    fewer per load). It costs a model switch per configuration and load, against one per
-    configuration for ``config`` (each configuration through all loads, the previous order)."""
+    compares are then close in time (for five configurations, within about a minute) instead of up
+    to a round apart on a host whose speed drifts from minute to minute; no configuration is always
+    first or last; and each orchestrator, with the dynamic policy's startup profile, is loaded once per
+    load rather than once per round. Consecutive loads share their boundary configuration (one model
+    switch fewer per load). It costs a model switch per configuration and load, against one per
+    configuration for ``config`` (each configuration through all loads, the previous order). One
+    A/B on a quiet machine showed no smaller round-to-round spread (docs/bench_history.md)."""
     if order == "config":
         return [(c, load) for c in configs for load in loads]
     if order != "level":
