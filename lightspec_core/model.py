@@ -496,7 +496,9 @@ class FoldedMTPHead:
         overflow."""
         w_state, tok_table, w_gate_up, w_down, w_lm = self._np
         x = w_state @ self._normed(state) + tok_table[tok]
-        gate, up = np.split(w_gate_up @ self._normed(x), 2)
+        gate_up = w_gate_up @ self._normed(x)
+        half = gate_up.shape[0] // 2
+        gate, up = gate_up[:half], gate_up[half:]  # slices: np.split costs 12 us a call here
         x = x + w_down @ (gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up)
         return x, w_lm @ self._normed(x)
 

@@ -164,8 +164,9 @@ class ModelRunner:
         if m == 0:
             return next_ids, conf, accepted
         req = np.searchsorted(np.cumsum(call.query_lens), rows, side="right")  # each sample row's request
-        first_row = np.r_[True, req[1:] != req[:-1]]
-        last_row = np.r_[req[1:] != req[:-1], True]
+        change = req[1:] != req[:-1]
+        first_row = np.concatenate(([True], change))  # (np.r_ costs 17 us a call)
+        last_row = np.concatenate((change, [True]))
         # a row "stops" where its top-1 is not the next row's draft, or where the request ends
         stops = last_row | (top1 != ids[np.minimum(rows + 1, len(ids) - 1)])
         starts = np.flatnonzero(first_row)
@@ -223,6 +224,8 @@ class MTPRunner:
             self.vocab_ids, self.head_weight = None, weight.detach()
         embed = self.target.model.embed_tokens.weight
         self.folded = [FoldedMTPHead(hd, embed, self.head_weight) for hd in self.heads.heads]
+        # draft-vocabulary ids as numpy, for a lone greedy row (see _one_greedy_row)
+        self._vocab_np = self.vocab_ids.numpy() if self.vocab_ids is not None and device == "cpu" else None
 
     @torch.inference_mode()
     def execute(self, call: MTPCall) -> MTPResult:
@@ -244,6 +247,9 @@ class MTPRunner:
         confs = np.zeros((b, big_k), np.float32)
         if kmax == 0:
             return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(), draft_conf=confs)
+        if (b == 1 and dev == "cpu" and np.asarray(call.calibration).size == 0
+                and (not want_probs or float(call.temperature[0]) <= 0.0)):
+            return self._one_greedy_row(call, kmax, big_k, probs_out.numpy())
         rows = np.flatnonzero(ks > 0)
         state = torch.from_numpy(np.ascontiguousarray(call.hidden[rows], dtype=np.float32)).to(dev)
         tok = torch.from_numpy(np.ascontiguousarray(call.last_ids[rows], dtype=np.int64)).to(dev)
@@ -321,6 +327,24 @@ class MTPRunner:
                         probs_out[out_rows, i] = full
                 ids[out_rows, i] = (tok if out_sel is None else tok.index_select(0, out_sel)).cpu()
         return MTPResult(draft_ids=ids.numpy(), draft_probs=probs_out.numpy(), draft_conf=confs)
+
+    def _one_greedy_row(self, call: MTPCall, k: int, big_k: int, no_probs: np.ndarray) -> MTPResult:
+        """The chain of a lone greedy request without a confidence stop, in numpy from end to end:
+        what the general path computes for that row (``one_row`` and the same first-maximum argmax),
+        without its torch tensors. Each of those small ops costs microseconds of dispatch, and a
+        lone request's step is where they show: in process the four heads' call took 0.36 ms
+        against 0.22 ms for the heads themselves."""
+        ids = np.full((1, big_k), -1, np.int64)
+        state = np.ascontiguousarray(call.hidden[0], dtype=np.float32)
+        tok = int(call.last_ids[0])
+        vocab = self._vocab_np
+        with single_thread_blas():  # numpy's BLAS on this thread only (see single_thread_blas)
+            for i in range(k):
+                state, row = self.folded[i].one_row(state, tok)
+                pick = int(row.argmax())
+                tok = pick if vocab is None else int(vocab[pick])
+                ids[0, i] = tok
+        return MTPResult(draft_ids=ids, draft_probs=no_probs, draft_conf=np.zeros((1, big_k), np.float32))
 
 
 class Executor(Protocol):
