@@ -1007,7 +1007,7 @@ def run_bench(url: str, metrics_url: str | None, plan: BenchPlan, log=print) -> 
         switcher.close()
     rank = {(c.model_name, lv.concurrency, lv.rate): (i, j)
             for i, c in enumerate(plan.configs) for j, lv in enumerate(plan.loads)}
-    runs.sort(key=lambda r: (*rank.get((r["model"], r["concurrency"], r.get("rate")), (0, 0)), r["repeat"]))
+    runs.sort(key=lambda r: (*rank[r["model"], r["concurrency"], r.get("rate")], r["repeat"]))
     return median_runs(runs) if plan.repeats > 1 else runs
 
 

@@ -265,8 +265,9 @@ class MTPRunner:
             floor = np.asarray(call.min_gain, np.float32)[rows]
             mode = (np.asarray(call.temperature, np.float32)[rows] > 0).astype(np.int64)
             cum = np.ones(len(rows), np.float32)
-        # a lone greedy row runs its heads in numpy (FoldedMTPHead.one_row): a chain of one row
-        # never drops rows, and its state never needs torch
+        # one greedy row left (a confidence stop, or the only row of several that drafts; a lone
+        # request without a stop took _one_greedy_row above) runs its heads in numpy
+        # (FoldedMTPHead.one_row): a chain of one row never drops rows, and its state never needs torch
         one = len(rows) == 1 and all_greedy and dev == "cpu"
         if one:
             state = state[0].numpy()
