@@ -895,13 +895,9 @@ class BenchPlan:
     temperature: float = 0.0
     seed: int = 0
     timeout_s: float = 600.0
-    # (minimum, per unit of concurrency): max(32, 4 x C) requests per closed-loop run by default, so
-    # every worker sends several; rate runs get 8 s of arrivals (at least the minimum). With
-    # max(16, 2 x C) a run at c=4 or c=16 lasted 2.1-2.5 s, and on this shared 2-core machine the
-    # per-round ratios of dynamic to static:4 in one sweep spread 0.87-1.33 there: a run has to
-    # outlast the host's swings in speed, and its tail (workers finishing their last request in a
-    # shrinking batch) has to be a small part of it
-    requests_rule: tuple[int, int] = (32, 4)
+    # (minimum, per unit of concurrency): max(16, 2 x C) requests per closed-loop run by default, so
+    # every worker sends several; rate runs get 8 s of arrivals (at least the minimum)
+    requests_rule: tuple[int, int] = (16, 2)
     repeats: int = 1
     order: str = "level"  # see sweep_order
 
@@ -1052,7 +1048,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--requests",
         type=int,
-        help="requests per run (default: max(32, 4 x concurrency), --quick max(16, 4 x C), --workload mixed "
+        help="requests per run (default: max(16, 2 x concurrency), --quick max(16, 4 x C), --workload mixed "
         "max(16, 8 x C); rates: 8 s of arrivals)",
     )
     p.add_argument("--max-tokens", type=int, help="tokens per request (default 128; 32 with --quick)")

@@ -97,7 +97,7 @@ def test_mixed_workload_alternates_code_and_shuffled_prompts_deterministically()
     # a mixed run is long enough that its slow half's tail does not decide the throughput
     plan.requests_rule = bench.requests_rule(False, "mixed")
     assert plan.num_requests(bench.Load(concurrency=16)) == 128
-    assert bench.requests_rule(False, "code") == (32, 4) and bench.requests_rule(True, "mixed") == (16, 4)
+    assert bench.requests_rule(False, "code") == (16, 2) and bench.requests_rule(True, "mixed") == (16, 4)
 
 
 def test_shuffled_text_keeps_the_words_and_loses_the_order():
