@@ -120,9 +120,12 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     from lightspec_backend.stage import StageModel
 
     from lightspec_core.engine import resolve_dirs
+    from lightspec_core.memory import keep_freed_memory
     from lightspec_core.stages import ModelRunner, MTPRunner
 
     cfg = config.engine
+    if not keep_freed_memory():  # a step's megabytes of temporaries reuse freed memory (see there)
+        pb_utils.Logger.log_warn("[lightspec] mallopt unavailable (not glibc): large temporaries are not kept")
     threads = stage_threads(cfg.num_threads, available_cpus())
     pb_utils.Logger.log_info(
         f"[lightspec] {config.role.value} stage: {threads.small} torch thread(s) for calls under "

@@ -19,6 +19,7 @@ import time
 
 from .config import EngineConfig, SamplingParams
 from .engine import LLMEngine
+from .memory import keep_freed_memory
 from .train import stdlib_files
 
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
+    keep_freed_memory()  # as the server's stage processes do
     if "none" not in a.configs:
         a.configs = ["none", *a.configs]
     engines = {c: engine_for(c, a.device, a.model_dir) for c in a.configs}

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from .engine import default_model_dir
+from .memory import keep_freed_memory
 from .stages import ModelCall, ModelRunner
 
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=15)
     a = ap.parse_args(argv)
+    keep_freed_memory()  # as the server's stage processes do
     res = measure(a.model_dir, a.batches, a.tokens, a.context, a.repeats)
     q0 = a.tokens[0]
     print("| batch | " + " | ".join(f"{q} tok/req (ms)" for q in a.tokens) + f" | ratio {a.tokens[-1]}/{q0} |")

@@ -383,3 +383,25 @@ def test_lone_row_heads_run_with_numpy_blas_on_one_thread(default_model, monkeyp
         assert (out.draft_ids[0] >= 0).all()
         assert len(seen) == 4 and all(t == [1] * len(before) for t in seen)
         assert blas_threads() == before
+
+
+def test_gather_buffers_are_reused_and_a_smaller_step_after_a_larger_one_is_exact(smoke_model):
+    """The context keys/values a layer gathers go to buffers the model keeps between steps: a
+    larger step grows them, a smaller one uses their front, and what it computes is bit for bit
+    what a runner that never ran the larger step computes."""
+    target = smoke_model / "target"
+    rng = np.random.default_rng(3)
+    used, fresh = (ModelRunner(target, num_blocks=64, block_size=4) for _ in range(2))
+    vocab = used.config.vocab_size
+    small = rng.integers(3, vocab, 7).tolist()
+    big = [rng.integers(3, vocab, 30).tolist() for _ in range(3)]
+    big_tables = [[8 + 8 * r + i for i in range(8)] for r in range(3)]  # blocks 8..31: not the small request's
+    _call(used, [(t, 0) for t in big], big_tables)
+    grown = used.model._gather_bufs[0]
+    _call(used, [(small[:5], 0)], [[0, 1]])
+    _call(fresh, [(small[:5], 0)], [[0, 1]])
+    assert used.model._gather_bufs[0].data_ptr() == grown.data_ptr()  # reused, not reallocated
+    a = _call(used, [(small[5:], 5)], [[0, 1]])
+    b = _call(fresh, [(small[5:], 5)], [[0, 1]])
+    np.testing.assert_array_equal(a.logits, b.logits)
+    assert fresh.model._gather_bufs[0].numel() < grown.numel()
