@@ -298,10 +298,28 @@ def test_a_lone_request_drafts_less_than_each_request_of_a_full_batch():
     assert min(full) > alone[0]
 
 
-def test_measured_stage_time_rescales_the_profile():
+def test_measured_target_time_beyond_the_profile_is_a_per_step_cost():
+    """Serving adds the same time to every target call (the server's other processes take CPU per
+    step, whatever the step carries): steps are predicted as measured, drafts keep their price."""
     cost = _calibrated()
+    cost.calibrated = True
     slot, step = cost.per_slot(16), cost.step_seconds(16, 0, 16 * 300)
-    for _ in range(200):  # the machine got 1.5x slower than profiled
+    for d in (0, 16, 32, 64) * 50:  # every call 20 ms dearer than profiled, whatever its drafts
+        cost.observe_verify(16, d, 16 * 300, 0, cost.verify.predict(16, d, 16 * 300) + 0.02)
+    assert abs(cost.step_seconds(16, 0, 16 * 300) - (step + 0.02)) < 1e-4
+    assert cost.per_slot(16) == slot
+    before = cost.step_seconds(16, 0, 16 * 300)
+    cost.observe_verify(16, 0, 16 * 300, 0, 100.0)  # one wild outlier moves the estimate by at most 15 %
+    assert before < cost.step_seconds(16, 0, 16 * 300) <= before * 1.15 + 1e-12
+    for _ in range(400):  # and a stage faster than profiled brings the step down, never below zero
+        cost.observe_verify(16, 0, 16 * 300, 0, 1e-4)
+    assert 0.0 <= cost.step_seconds(16, 0, 16 * 300) < step
+
+
+def test_without_a_profile_measured_time_rescales_the_generic_costs():
+    cost = CostModel(overhead=0.0)  # generic costs: not calibrated
+    slot, step = cost.per_slot(16), cost.step_seconds(16, 0, 16 * 300)
+    for _ in range(200):  # the machine runs 1.5x slower than the generic guess
         cost.observe_verify(16, 32, 16 * 300, 0, 1.5 * cost.verify.predict(16, 32, 16 * 300))
         cost.observe_propose(32, 2, 1.5 * cost.propose.predict(32, 2))
     assert abs(cost.per_slot(16) / slot - 1.5) < 0.01
@@ -312,6 +330,25 @@ def test_measured_stage_time_rescales_the_profile():
     for _ in range(200):  # but a stage 50x dearer than its generic estimate is learned in full
         cost.observe_propose(8, 1, 50 * cost.propose.predict(8, 1))
     assert abs(cost.propose_scale / 50 - 1) < 0.05
+
+
+def test_a_slow_serving_path_does_not_make_drafts_look_dearer():
+    """A full batch whose target calls all take twice their profiled time, by the same amount
+    whatever they carry: each step's fixed cost grew and a draft's did not, so drafting pays more
+    and the policy drafts more: 2 drafts per request without the excess, all 4 with it. Treated as
+    a factor (the scale of a generic cost model), the excess prices each draft at nearly twice its
+    cost and the policy stops at 3."""
+    reqs = [PolicyInput(4, [0.7] * 4)] * 64
+    plain = _calibrated()
+    plain.calibrated = True
+    slow = _calibrated()
+    slow.calibrated = True
+    excess = slow.verify.predict(64, 0, 64 * 300)
+    for d in (0, 64, 128, 256) * 50:
+        slow.observe_verify(64, d, 64 * 300, 0, slow.verify.predict(64, d, 64 * 300) + excess)
+    base = sum(DynamicPolicy(plain, probe_every=0).choose(reqs, 64, 2048, 64 * 300, requests=64))
+    busy = sum(DynamicPolicy(slow, probe_every=0).choose(reqs, 64, 2048, 64 * 300, requests=64))
+    assert base == 2 * 64 and busy == 4 * 64
 
 
 def test_numpy_and_plain_python_allocations_agree():
