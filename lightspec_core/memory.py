@@ -25,7 +25,7 @@ def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: 
 
     A step's temporaries on a CPU are megabytes (the keys and values a layer gathers, the logits of
     a verification step: 5 MB at 64 requests x 5 tokens): with glibc's defaults such a block comes
-    from ``mmap`` and goes back with ``munmap``, and the next step's pays a page fault and a zeroed
+    from ``mmap`` and goes back with ``munmap``, and the next step pays a page fault and a zeroed
     page for every 4 KB of it. Serving blocks up to ``mmap_threshold`` from the heap, and keeping up
     to ``trim_threshold`` bytes of freed heap, makes a step reuse the memory the previous one freed.
     In process, one thread: 64 requests x 1 token went from 48 to 22 ms, x 5 tokens from 73 to 48 ms
