@@ -258,6 +258,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.apply(init_weights)
+        self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None  # see _gather_buffers
 
     # ---- training path -------------------------------------------------------------------------
     def forward_train(self, ids: torch.Tensor) -> torch.Tensor:
@@ -343,7 +344,7 @@ class LlamaModel(nn.Module):
         10 MB, and on a CPU memory of that size comes from the kernel page by page, zeroed, on every
         allocation (1.7 ms per gather with one thread inside a forward). One step uses the buffers
         layer after layer, and a model's steps never overlap (a runner executes calls one by one)."""
-        bufs = getattr(self, "_gather_bufs", None)
+        bufs = self._gather_bufs
         if bufs is None or bufs[0].numel() < numel or bufs[0].device != kv.device or bufs[0].dtype != kv.dtype:
             bufs = tuple(torch.empty(numel, dtype=kv.dtype, device=kv.device) for _ in range(2))
             self._gather_bufs = bufs
