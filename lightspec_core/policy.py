@@ -270,7 +270,8 @@ def request_alphas(pos_reached: list[float], pos_accepted: list[float], global_r
     pseudo-counts, to about 0.3x of it. 2 made sampled n-gram requests on the mixed workload stop
     drafting sooner (24 against 41 drafts per request), but in the sweep run with 2 the MTP policy
     fell to 0.80-0.92x of the best static depth (0.98-1.08x in the sweep with 4): 4 it is.
-    (Plain lists: this runs for every decoding request every step.)"""
+    The scheduler computes the same for all of a step's requests at once (``Scheduler._small_batch``,
+    ``_array_batch``); a test holds them to this function bit for bit."""
     n = len(pos_reached)
     return [
         (pos_accepted[j] + strength * global_rates[j]) / (pos_reached[j] + strength) if j < n else global_rates[j]
@@ -285,6 +286,36 @@ class PolicyInput:
     limit: int  # max k allowed (per-request cap, engine K, KV headroom, remaining max_tokens)
     alphas: list[float]  # conditional acceptance estimates, len >= limit
     sampled: bool = False  # its drafts are verified by rejection sampling: each costs a logits row more
+
+
+@dataclass
+class PolicyBatch:
+    """A step's decoding requests, built by the scheduler in one pass (a :class:`PolicyInput` per
+    request costs an object and a list each, on the hot path of every decision). numpy arrays for
+    many requests, plain lists for a few (numpy's per-call overhead would dominate): the policy
+    takes the vectorised or the plain path by that form, to the same optimum."""
+
+    limits: np.ndarray | list[int]  # [B]: max k allowed per request
+    alphas: np.ndarray | list[list[float]]  # [B, K]: conditional acceptance estimates (entries at j >= limit unused)
+    sampled: np.ndarray | list[bool]  # [B]
+
+    def __len__(self) -> int:
+        return len(self.limits)
+
+    @property
+    def small(self) -> bool:
+        return isinstance(self.limits, list)
+
+    @classmethod
+    def of(cls, reqs: list[PolicyInput], small_slots: int = 64) -> PolicyBatch:
+        limits = [max(min(r.limit, len(r.alphas)), 0) for r in reqs]
+        k = max(limits, default=0)
+        if len(reqs) * k <= small_slots:
+            return cls(limits, [list(r.alphas[:k]) for r in reqs], [r.sampled for r in reqs])
+        alphas = np.zeros((len(reqs), k))
+        for i, r in enumerate(reqs):
+            alphas[i, : limits[i]] = r.alphas[: limits[i]]
+        return cls(np.array(limits, np.int64), alphas, np.array([r.sampled for r in reqs], bool))
 
 
 class DynamicPolicy:
@@ -313,12 +344,14 @@ class DynamicPolicy:
         self.gain_floors: list[float] = []
         self.floors_wanted = False
 
-    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, context: int = 0,
+    def choose(self, reqs: list[PolicyInput] | PolicyBatch, base_tokens: int, token_budget: int, context: int = 0,
                prefill: int = 0, requests: int | None = None) -> list[int]:
         """``base_tokens``: the step's tokens before drafts, ``prefill`` of them prompt chunks;
         ``requests``: requests in the step (default: one token each); ``context``: KV slots read."""
         if requests is None:
             requests = base_tokens - prefill
+        if not isinstance(reqs, PolicyBatch):
+            reqs = PolicyBatch.of(reqs)
         self.gain_floors = []
         ks = self._allocate(reqs, base_tokens, token_budget, context, prefill, requests)
         if any(ks):
@@ -328,33 +361,33 @@ class DynamicPolicy:
         if self.probe_every and self._idle >= self.probe_every:
             self._idle = 0
             room = token_budget - base_tokens
-            ks = [1 if r.limit > 0 and i < room else 0 for i, r in enumerate(reqs)]
+            ks = [1 if lim > 0 and i < room else 0 for i, lim in enumerate(list(reqs.limits))]
         return ks
 
-    def _allocate(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, context: int,
+    def _allocate(self, reqs: PolicyBatch, base_tokens: int, token_budget: int, context: int,
                   prefill: int, requests: int) -> list[int]:
         b = len(reqs)
         room = token_budget - base_tokens
-        lims = [r.limit if r.limit > 0 else 0 for r in reqs]
-        big_k = max(lims, default=0)
+        if reqs.small:
+            lims = [lim if lim > 0 else 0 for lim in reqs.limits]
+            big_k = max(lims, default=0)
+        else:
+            lims = np.clip(reqs.limits, 0, reqs.alphas.shape[1])
+            big_k = int(lims.max(initial=0))
         if big_k == 0 or room <= 0:
             return [0] * b
         cost = self.cost
         t0 = cost.step_seconds(requests, 0, context, prefill=prefill)
         slot, extra = cost.per_slot(requests), cost.sampled_extra
-        costs = [slot + extra if r.sampled else slot for r in reqs]  # seconds per draft, per request
         terms = (float(base_tokens - prefill), t0, t0 + cost.propose_fixed, cost.per_depth)
-        if b * big_k <= 64:  # the common small case: plain Python beats numpy's per-call overhead
-            ks, rate = self._allocate_small(reqs, lims, room, costs, *terms, latency=self.latency)
+        if reqs.small:  # plain Python: a few requests (see PolicyBatch)
+            costs = [slot + extra if smp else slot for smp in reqs.sampled]  # seconds per draft, per request
+            ks, rate = self._allocate_small(reqs.alphas, lims, room, costs, *terms, latency=self.latency)
             if rate and self.floors_wanted:
                 self.gain_floors = [rate * c for c in costs]
             return ks
-        vals: list[float] = []  # alphas as one padded [b, big_k] matrix (plain lists: this is the hot path)
-        pad = [0.0] * big_k
-        for r, lim in zip(reqs, lims):
-            vals += r.alphas[:lim]
-            vals += pad[lim:]
-        alphas = np.array(vals).reshape(b, big_k)
+        costs = np.where(reqs.sampled, slot + extra, slot)
+        alphas = np.where(np.arange(big_k) < lims[:, None], reqs.alphas[:, :big_k], 0.0)
         gains = np.cumprod(np.clip(alphas, 0.0, 1.0), axis=1)  # g_{i,j}; 0 beyond a request's limit
         base, t0, fixed, per_depth = terms
         raw = gains.ravel()
@@ -362,42 +395,46 @@ class DynamicPolicy:
             e = 1.0 + np.cumsum(gains, axis=1)
             gains = gains / ((e - gains) * e)
         flat = gains.ravel()
-        slot_cost = np.repeat(np.asarray(costs), big_k)
+        slot_cost = np.repeat(costs, big_k)
         # best gain per second first (with one cost for all: largest gain first); ties keep j ascending
         order = np.argsort(-(flat / slot_cost), kind="stable")
         order = order[: int(np.count_nonzero(flat > 0))]
-        level = order % big_k + 1  # the draft position each slot fills
-        best_g, best = base / t0, None  # base: tokens the decoding requests produce without drafts
-        for d in range(1, big_k + 1):
-            taken = order[level <= d][:room]  # the largest gains with no draft deeper than d
-            if not len(taken):
-                continue
-            depth = np.maximum.accumulate(taken % big_k + 1)
-            seconds = fixed + np.cumsum(slot_cost[taken]) + per_depth * depth
-            if self.latency:  # base x harmonic mean of E_i / T: sum 1/E_i starts at base (E_i = 1)
-                good = base * base / ((base - np.cumsum(flat[taken])) * seconds)
-            else:
-                good = (base + np.cumsum(flat[taken])) / seconds
-            j = int(good.argmax())
-            if good[j] > best_g:
-                best_g, best, best_seconds = float(good[j]), taken[: j + 1], float(seconds[j])
-        if best is None:
+        if not len(order):
             return [0] * b
+        # Every depth cap d at once, one row each: the slots of depth <= d in that order, at most
+        # ``room`` of them; goodput of each prefix of each row (cumulative sums), the best cell wins
+        # (row-major argmax: ties go to the smaller d and the shorter prefix)
+        level = order % big_k + 1  # the draft position each slot fills
+        usable = level <= np.arange(1, big_k + 1)[:, None]  # [d, slot]
+        usable &= np.cumsum(usable, axis=1) <= room
+        depth = np.maximum.accumulate(np.where(usable, level, 0), axis=1)
+        seconds = fixed + np.cumsum(np.where(usable, slot_cost[order], 0.0), axis=1) + per_depth * depth
+        gained = np.cumsum(np.where(usable, flat[order], 0.0), axis=1)
+        if self.latency:  # base x harmonic mean of E_i / T: sum 1/E_i starts at base (E_i = 1)
+            good = base * base / ((base - gained) * seconds)
+        else:
+            good = (base + gained) / seconds
+        good[~usable] = -np.inf
+        at = int(good.argmax())
+        if not good.flat[at] > base / t0:  # base: tokens the decoding requests produce without drafts
+            return [0] * b
+        d, j = divmod(at, len(order))
+        best = order[: j + 1][usable[d, : j + 1]]
         if self.floors_wanted:
-            rate = (base + float(raw[best].sum())) / best_seconds
-            self.gain_floors = [rate * c for c in costs]
+            rate = (base + float(raw[best].sum())) / float(seconds[d, j])
+            self.gain_floors = (rate * costs).tolist()
         return np.bincount(best // big_k, minlength=b).tolist()
 
     @staticmethod
-    def _allocate_small(reqs, lims, room, costs, base, t0, fixed, per_depth,
+    def _allocate_small(alphas, lims, room, costs, base, t0, fixed, per_depth,
                         latency: bool = False) -> tuple[list[int], float]:
-        """The same optimum as the numpy path, for a few requests; also its goodput (tokens/s, 0.0
-        when nothing is drafted)."""
+        """The same optimum as the numpy path, for a few requests (``alphas``: one list per
+        request); also its goodput (tokens/s, 0.0 when nothing is drafted)."""
         slots = []  # (-value per second, request, position, value, gain): best first, positions ascending
-        for i, (r, lim) in enumerate(zip(reqs, lims)):
+        for i, (a, lim) in enumerate(zip(alphas, lims)):
             g, e = 1.0, 1.0
             for j in range(lim):
-                g *= min(max(r.alphas[j], 0.0), 1.0)
+                g *= min(max(a[j], 0.0), 1.0)
                 if g <= 0.0:
                     break
                 v = g / (e * (e + g)) if latency else g  # latency: how much the slot lowers 1/E_i
@@ -421,7 +458,7 @@ class DynamicPolicy:
                 value = base * base / ((2 * base - e) * seconds) if latency else e / seconds
                 if value > best_g:
                     best_g, best, rate = value, (d, n), tokens / seconds
-        ks = [0] * len(reqs)
+        ks = [0] * len(alphas)
         if best is not None:
             d, n = best
             for x in [x for x in slots if x[2] < d][:n]:
@@ -434,12 +471,12 @@ class StaticPolicy:
         self.k = k
         self.name = f"static:{k}"
 
-    def choose(self, reqs: list[PolicyInput], base_tokens: int, token_budget: int, context: int = 0,
+    def choose(self, reqs: list[PolicyInput] | PolicyBatch, base_tokens: int, token_budget: int, context: int = 0,
                prefill: int = 0, requests: int | None = None) -> list[int]:
         room = token_budget - base_tokens
         ks = []
-        for r in reqs:
-            k = max(0, min(self.k, r.limit, room))
+        for limit in (list(reqs.limits) if isinstance(reqs, PolicyBatch) else [r.limit for r in reqs]):
+            k = max(0, min(self.k, limit, room))
             room -= k
             ks.append(k)
         return ks

@@ -18,12 +18,16 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
 
 from .block_manager import BlockManager, blocks_for
-from .policy import ALPHA_STRENGTH, AcceptanceStats, PolicyInput, request_alphas
+from .policy import ALPHA_STRENGTH, AcceptanceStats, PolicyBatch
 from .sequence import Sequence, Status
 
 EXPLORE_EVERY = 16  # every 16th step of a request ignores the policy's gain floor
+SMALL_SLOTS = 64  # up to this many candidate draft slots (requests x k), the policy works on plain lists
 
 
 @dataclass
@@ -68,6 +72,11 @@ class Scheduler:
     # ---- queues --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        # per-position acceptance counts of length max_k, so that a decision stacks them in one
+        # array (a position never drafted has zero counts: its estimate is the global rate)
+        for counts in (seq.pos_reached, seq.pos_accepted):
+            counts.extend([0.0] * (self.max_k - len(counts)))
+            del counts[max(self.max_k, 1):]  # (never drafted deeper than this engine's k anyway)
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def remove(self, seq: Sequence) -> None:
@@ -90,6 +99,8 @@ class Scheduler:
         budget = self.token_budget
         items = plan.items
         tables, bs, running = self.blocks.tables, self.blocks.block_size, Status.RUNNING
+        cands: list[ScheduledSeq] = []  # decoding requests that may draft (newest token fed, proposers warm)
+        prefill = longest = 0  # prompt-chunk tokens; the longest context a request reaches this step
         for seq in list(self.running):
             if len(items) >= max_seqs or budget <= 0:
                 break
@@ -100,23 +111,47 @@ class Scheduler:
             # every running request every step
             todo = len(seq.token_ids) - seq.num_computed
             n = todo if todo < budget else budget
-            if len(tables.get(rid, ())) * bs >= seq.num_computed + n:
+            end = seq.num_computed + n
+            if len(tables.get(rid, ())) * bs >= end:
                 item = ScheduledSeq(seq, n, 0, n == todo)
+                if todo != 1:
+                    prefill += n
+                elif seq.warm:  # decoding: one token, the newest
+                    cands.append(item)
             else:
                 item = self._schedule_running(seq, budget, busy, in_plan)
                 if item is None:
                     continue
+                prefill += self._sort(item, cands)
+            if end > longest:
+                longest = end
             items.append(item)
             in_plan.add(rid)
             budget -= item.num_new
+        admitted = len(items)
         budget = self._admit(plan, in_plan, budget, max_seqs)
-        plan.prefill_tokens = sum(it.num_new for it in plan.items if not it.seq.is_decoding)
-        self._choose_drafts(plan, budget)
+        for item in items[admitted:]:
+            prefill += self._sort(item, cands)
+            longest = max(longest, item.start + item.num_new)
+        plan.prefill_tokens = prefill
+        if cands:
+            self._choose_drafts(cands, budget, self.token_budget - budget, len(items) * longest, prefill, len(items))
         if not plan.items:
             return None
         plan.decision_seconds = time.perf_counter() - t0
         plan.decision_cpu_seconds = time.thread_time() - c0
         return plan
+
+    @staticmethod
+    def _sort(item: ScheduledSeq, cands: list[ScheduledSeq]) -> int:
+        """A request the fast path of ``schedule`` did not take: its prompt-chunk tokens, and into
+        ``cands`` if it may draft."""
+        seq = item.seq
+        if not seq.is_decoding:
+            return item.num_new
+        if item.samples and seq.warm:
+            cands.append(item)
+        return 0
 
     def _feed(self, seq: Sequence, budget: int) -> tuple[int, bool]:
         todo = seq.num_tokens - seq.num_computed
@@ -168,44 +203,23 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _choose_drafts(self, plan: StepPlan, budget: int) -> None:
+    def _choose_drafts(self, cands: list[ScheduledSeq], budget: int, base: int, context: int, prefill: int,
+                       requests: int) -> None:
+        """k for each candidate, within the step's remaining token ``budget``; ``base``: the step's
+        tokens before drafts, ``context``: KV slots its attention reads."""
         if self.max_k == 0 or budget <= 0:
-            return
-        cands = [it for it in plan.items if it.samples and it.seq.is_decoding and it.seq.warm]
-        if not cands:
             return
         bs = self.blocks.block_size
         high = self.blocks.usage() >= self.kv_high_water
         free_slots = 0 if high else self.blocks.num_free * bs  # above the high-water mark: own slots only
-        rates = [self.acceptance.rates(m).tolist() for m in (False, True)]  # greedy, sampled
         tables = self.blocks.tables
         max_k = self.max_k
-        inputs = []
-        # one pass per request, the hot loop of a decision at 256 requests: no helper calls beyond
-        # the acceptance smoothing (same results as draft_cap() and the block manager's queries)
-        strength = ALPHA_STRENGTH
-        for it in cands:
-            seq = it.seq
-            params = seq.params
-            n_tok = len(seq.token_ids)
-            cap = max_k if params.num_draft_tokens is None else min(max_k, params.num_draft_tokens)
-            # drafts beyond max_tokens - 1 can never be emitted (the bonus token always comes too)
-            cap = min(cap, params.max_tokens - (n_tok - seq.prompt_len) - 1)
-            room = len(tables[seq.request_id]) * bs - n_tok + free_slots  # slots after the newest token
-            limit = max(0, min(cap, room))
-            sampled = params.temperature != 0.0
-            if limit:  # request_alphas() inline
-                g = rates[sampled]
-                reached, accepted = seq.pos_reached, seq.pos_accepted
-                n = len(reached)
-                alphas = [(accepted[j] + strength * g[j]) / (reached[j] + strength) if j < n else g[j]
-                          for j in range(limit)]
-            else:
-                alphas = []
-            inputs.append(PolicyInput(limit, alphas, sampled))
-        base = sum(it.num_new for it in plan.items)
-        context = len(plan.items) * max(it.start + it.num_new for it in plan.items)
-        ks = self.policy.choose(inputs, base, base + budget, context, plan.prefill_tokens, len(plan.items))
+        seqs = [it.seq for it in cands]
+        if len(seqs) * max_k <= SMALL_SLOTS:
+            batch = self._small_batch(seqs, free_slots)
+        else:
+            batch = self._array_batch(seqs, free_slots)
+        ks = self.policy.choose(batch, base, base + budget, context, prefill, requests)
         floors = getattr(self.policy, "gain_floors", None)
         if floors:
             explore = EXPLORE_EVERY
@@ -218,9 +232,45 @@ class Scheduler:
             if not k:
                 continue
             seq = it.seq
-            if len(tables[seq.request_id]) * bs >= len(seq.token_ids) + k:  # the slots are already there
-                it.k = k
-                continue
-            while k > 0 and not ensure(seq.request_id, seq.num_tokens + k):
-                k -= 1
+            if len(tables[seq.request_id]) * bs < len(seq.token_ids) + k:  # reserve the drafts' KV slots
+                while k > 0 and not ensure(seq.request_id, seq.num_tokens + k):
+                    k -= 1
             it.k = k
+
+    def _array_batch(self, seqs: list[Sequence], free_slots: int) -> PolicyBatch:
+        """The policy's inputs for many requests: one pass over them into flat arrays (np.fromiter
+        over a chain is about twice as fast as np.array over nested lists), the rest vectorised.
+        Gives what :meth:`_small_batch` gives, as arrays (a test compares them)."""
+        b, max_k, bs, tables = len(seqs), self.max_k, self.blocks.block_size, self.blocks.tables
+        info = np.fromiter(chain.from_iterable(
+            (len(s.token_ids), len(tables[s.request_id]), s.draft_cap_asked, s.end_len, s.sampled) for s in seqs),
+            np.int64, 5 * b).reshape(b, 5)
+        n_tok = info[:, 0]
+        limits = np.minimum(np.minimum(info[:, 2], max_k),
+                            # drafts beyond max_tokens - 1 can never be emitted (the bonus token comes too)
+                            np.minimum(info[:, 3] - n_tok - 1, info[:, 1] * bs - n_tok + free_slots)).clip(0)
+        sampled = info[:, 4].astype(bool)
+        # request_alphas() for all at once: the request's decayed counts smoothed toward its mode's rates
+        rates = np.where(sampled[:, None], self.acceptance.rates(True)[:max_k], self.acceptance.rates(False)[:max_k])
+        accepted = np.fromiter(chain.from_iterable(s.pos_accepted for s in seqs), np.float64, b * max_k)
+        reached = np.fromiter(chain.from_iterable(s.pos_reached for s in seqs), np.float64, b * max_k)
+        alphas = (accepted.reshape(b, max_k) + ALPHA_STRENGTH * rates) / (reached.reshape(b, max_k) + ALPHA_STRENGTH)
+        return PolicyBatch(limits, alphas, sampled)
+
+    def _small_batch(self, seqs: list[Sequence], free_slots: int) -> PolicyBatch:
+        """The policy's inputs for a few requests, as plain lists (numpy's per-call overhead would
+        double a lone request's decision)."""
+        max_k, bs, tables = self.max_k, self.blocks.block_size, self.blocks.tables
+        rates = [self.acceptance.rates(m).tolist() for m in (False, True)]  # greedy, sampled
+        strength = ALPHA_STRENGTH
+        limits, alphas, sampled = [], [], []
+        for seq in seqs:
+            n_tok = len(seq.token_ids)
+            limit = min(max_k, seq.draft_cap_asked, seq.end_len - n_tok - 1,
+                        len(tables[seq.request_id]) * bs - n_tok + free_slots)
+            g = rates[seq.sampled]
+            reached, accepted = seq.pos_reached, seq.pos_accepted
+            limits.append(limit if limit > 0 else 0)
+            alphas.append([(accepted[j] + strength * g[j]) / (reached[j] + strength) for j in range(max_k)])
+            sampled.append(seq.sampled)
+        return PolicyBatch(limits, alphas, sampled)

@@ -57,6 +57,11 @@ class Sequence:
         # times it was accepted; their ratio is the conditional acceptance rate the policy uses
         self.pos_reached: list[float] = []
         self.pos_accepted: list[float] = []
+        # fixed per request, read by the scheduler's per-step pass: the draft depth the request asked
+        # for at most, its length when max_tokens is reached, and whether it samples
+        self.draft_cap_asked = params.num_draft_tokens if params.num_draft_tokens is not None else 1 << 30
+        self.end_len = self.prompt_len + params.max_tokens
+        self.sampled = params.temperature != 0.0
         # timing
         self.t_arrival = time.perf_counter()
         self.t_first_token: float | None = None

@@ -167,7 +167,7 @@ def test_latency_objective_is_the_exact_optimum_of_step_time_times_sum_of_invers
         many = reqs * 20
         big = pol.choose(many, base_tokens=20 * b, token_budget=200 * b, context=context)
         t0 = cost.step_seconds(20 * b, 0, context)
-        small = pol._allocate_small(many, [r.limit for r in many], 180 * b, [cost.per_slot(20 * b)] * len(many),
+        small = pol._allocate_small([r.alphas for r in many], [r.limit for r in many], 180 * b, [cost.per_slot(20 * b)] * len(many),
                                     float(20 * b), t0, t0 + cost.propose_fixed, cost.per_depth, latency=True)[0]
 
         def value_many(ks):
@@ -363,7 +363,7 @@ def test_numpy_and_plain_python_allocations_agree():
         budget = b + int(rng.integers(0, 4 * b))
         vec = pol.choose(reqs, base_tokens=b, token_budget=budget, context=b * 300)
         t0 = cost.step_seconds(b, 0, b * 300)
-        small = pol._allocate_small(reqs, [r.limit for r in reqs], budget - b, [cost.per_slot(b)] * b, float(b), t0,
+        small = pol._allocate_small([r.alphas for r in reqs], [r.limit for r in reqs], budget - b, [cost.per_slot(b)] * b, float(b), t0,
                                     t0 + cost.propose_fixed, cost.per_depth)[0]
         assert vec == small, trial
 
@@ -405,7 +405,7 @@ def test_sampled_requests_allocation_is_the_exact_optimum_with_their_logits_cost
         assert goodput(ks) >= best * (1 - 1e-12), (trial, ks)
         t0 = cost.step_seconds(b, 0, context)
         costs = [cost.per_slot(b) + (cost.sampled_extra if r.sampled else 0.0) for r in reqs]
-        small = pol._allocate_small(reqs, [r.limit for r in reqs], 9 * b, costs, float(b), t0,
+        small = pol._allocate_small([r.alphas for r in reqs], [r.limit for r in reqs], 9 * b, costs, float(b), t0,
                                     t0 + cost.propose_fixed, cost.per_depth)[0]
         assert goodput(small) >= best * (1 - 1e-12), (trial, small)
 
@@ -436,8 +436,9 @@ def test_the_latency_objective_is_chosen_by_the_policy_parameter():
 
 
 def test_the_scheduler_hands_the_policy_request_alphas_estimates():
-    """The scheduler computes each request's smoothed rates inline (its per-request loop is the hot
-    path of a decision); they must be exactly what ``request_alphas`` gives, per mode."""
+    """The scheduler builds the policy's inputs in one pass (the hot path of a decision): plain lists
+    for a few requests, arrays for many. Both forms must hold exactly what ``request_alphas`` and the
+    per-request caps give (max_tokens, the request's own num_draft_tokens, its KV room), per mode."""
     from lightspec_core.block_manager import BlockManager
     from lightspec_core.config import SamplingParams
     from lightspec_core.scheduler import Scheduler
@@ -452,12 +453,17 @@ def test_the_scheduler_hands_the_policy_request_alphas_estimates():
     for _ in range(5):
         acc.observe(4, 2)  # greedy rates move away from the prior; sampled ones stay at it
     pol = Recorder(4)
-    sched = Scheduler(BlockManager(64, 16), pol, acc, max_num_seqs=8, max_num_batched_tokens=64,
+    # 47 tokens each after the first generated one: 3 blocks of 16, one spare slot in its own blocks
+    sched = Scheduler(BlockManager(16, 16), pol, acc, max_num_seqs=8, max_num_batched_tokens=256,
                       max_draft_tokens=4, kv_high_water=0.95, speculative=True)
+    # (temperature, max_tokens, num_draft_tokens): the third may emit 3 more tokens (so 2 drafts),
+    # the fourth asked for 1 draft at most
+    specs = [(0.0, 50, None), (0.7, 50, None), (0.0, 4, None), (0.7, 50, 1)]
     seqs = []
-    for i, temp in enumerate([0.0, 0.7]):
-        s = Sequence(f"r{i}", list(range(3, 23)), SamplingParams(max_tokens=50, temperature=temp), detok=None,
-                     seed=i, arrival=i)
+    for i, (temp, max_tokens, ndt) in enumerate(specs):
+        s = Sequence(f"r{i}", list(range(3, 49)), SamplingParams(max_tokens=max_tokens, temperature=temp,
+                                                                 num_draft_tokens=ndt),
+                     detok=None, seed=i, arrival=i)
         sched.add(s)
         seqs.append(s)
     for it in sched.schedule().items:  # admission: the prompts are prefilled
@@ -467,13 +473,25 @@ def test_the_scheduler_hands_the_policy_request_alphas_estimates():
     for s in seqs:  # some draft history of their own
         s.record_acceptance(3, 1)
         s.record_acceptance(2, 2)
+    # above the KV high-water mark (no free slots counted) a request drafts into its own blocks only:
+    # here one spare slot each
+    assert sched.blocks.num_free == 4
+    assert sched._small_batch(seqs, 0).limits == sched._array_batch(seqs, 0).limits.tolist() == [1, 1, 1, 1]
     sched.schedule()
-    assert len(pol.seen) == 2
-    for inp, s in zip(pol.seen, seqs):
+    small = pol.seen
+    assert small.small and len(small) == 4
+    free = sched.blocks.num_free * 16
+    arrays = sched._array_batch(seqs, free)
+    assert not arrays.small
+    assert small.limits == arrays.limits.tolist() == [4, 4, 2, 1]
+    assert small.sampled == arrays.sampled.tolist() == [False, True, False, True]
+    for i, s in enumerate(seqs):
         sampled = s.params.temperature > 0
-        assert inp.sampled == sampled and inp.limit == 4
-        assert inp.alphas == request_alphas(s.pos_reached, s.pos_accepted, acc.rates(sampled).tolist(), 4)
-    assert pol.seen[0].alphas != pol.seen[1].alphas  # the two modes' global rates differ
+        # bit for bit what the per-request helper gives (positions never drafted: the global rate)
+        want = request_alphas(s.pos_reached, s.pos_accepted, acc.rates(sampled).tolist(), 4)
+        assert small.alphas[i] == arrays.alphas[i].tolist() == want
+        assert want[3] == acc.rates(sampled)[3]
+    assert small.alphas[0] != small.alphas[1]  # the two modes' global rates differ
 
 
 def test_confidence_stats_learn_acceptance_per_mode_position_and_bucket():
