@@ -494,6 +494,47 @@ def test_the_scheduler_hands_the_policy_request_alphas_estimates():
     assert small.alphas[0] != small.alphas[1]  # the two modes' global rates differ
 
 
+def test_the_scheduler_hands_the_policy_the_steps_tokens_context_and_prefill():
+    """schedule() counts a step's tokens, prompt-chunk tokens and longest context as it plans (not in
+    passes of their own): the policy must get what the plan's items add up to, with a prompt chunk,
+    a newly admitted prompt and decoding requests in one step."""
+    from lightspec_core.block_manager import BlockManager
+    from lightspec_core.config import SamplingParams
+    from lightspec_core.scheduler import Scheduler
+    from lightspec_core.sequence import Sequence
+
+    class Recorder(StaticPolicy):
+        def choose(self, reqs, *a, **kw):
+            self.args = a
+            return super().choose(reqs, *a, **kw)
+
+    pol = Recorder(2)
+    sched = Scheduler(BlockManager(64, 16), pol, AcceptanceStats(4), max_num_seqs=8, max_num_batched_tokens=100,
+                      max_draft_tokens=4, kv_high_water=0.95, speculative=True)
+    seqs = [Sequence(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=50), detok=None, seed=i, arrival=i)
+            for i, n in enumerate([20, 30, 70])]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()  # 20 + 30 + a 50-token chunk of the third prompt
+    assert [it.num_new for it in first.items] == [20, 30, 50] and first.prefill_tokens == 100
+    for it in first.items:
+        it.seq.num_computed += it.num_new
+        if it.samples:
+            it.seq.token_ids.append(5)
+            it.seq.warm = True
+    late = Sequence("r3", list(range(3, 43)), SamplingParams(max_tokens=50), detok=None, seed=3, arrival=3)
+    sched.add(late)
+    plan = sched.schedule()
+    # two decoding requests (1 token each), the rest of the chunked prompt (20), 40 of the new prompt
+    # (the budget's remaining 100 - 22 = 78 would allow all of it)
+    assert [it.num_new for it in plan.items] == [1, 1, 20, 40]
+    assert plan.prefill_tokens == 60
+    base, token_budget, context, prefill, requests = pol.args
+    assert base == 62 and token_budget == 100 and prefill == 60 and requests == 4
+    assert context == 4 * max(it.start + it.num_new for it in plan.items) == 4 * 70
+    assert plan.ks == [2, 2, 0, 0]  # only the warm decoding requests draft
+
+
 def test_confidence_stats_learn_acceptance_per_mode_position_and_bucket():
     stats = ConfidenceStats(3, buckets=10)
     prior = stats.table()

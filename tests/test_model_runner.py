@@ -198,7 +198,8 @@ def test_folded_mtp_heads_equal_the_trained_modules(default_model):
 
 def test_lone_greedy_row_drafts_as_in_a_batch(default_model):
     """A lone greedy request's heads run in numpy (one_row), a batch's in torch: each row gets the
-    same drafts and confidences either way, with and without a confidence stop."""
+    same drafts and confidences either way, with and without a confidence stop (the lone row's
+    numpy chain computes the confidences and the stop itself)."""
     from lightspec_core.stages import MTPCall, MTPRunner
 
     runner = MTPRunner(default_model / "target", default_model / "mtp")
@@ -217,6 +218,9 @@ def test_lone_greedy_row_drafts_as_in_a_batch(default_model):
             calibration=_stop_table(5) if stop else np.zeros((0, 0, 0), np.float32),
         )
 
+    numpy_chains = []
+    real = runner._one_greedy_row
+    runner._one_greedy_row = lambda *a: numpy_chains.append(1) or real(*a)
     for stop in (False, True):
         whole = runner.execute(call(np.arange(b), stop))
         for r in range(b):
@@ -225,6 +229,7 @@ def test_lone_greedy_row_drafts_as_in_a_batch(default_model):
             np.testing.assert_allclose(lone.draft_conf[0], whole.draft_conf[r], atol=1e-4)
         if stop:  # the stop did cut some chains short, so both paths were compared on it
             assert ((whole.draft_ids >= 0).sum(1) < ks).any()
+    assert len(numpy_chains) == 2 * b  # every lone row took the numpy chain, with a stop table too
 
 
 def _stop_table(threshold_bucket: int, k: int = 4, buckets: int = 10) -> np.ndarray:
