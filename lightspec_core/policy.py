@@ -288,6 +288,9 @@ class PolicyInput:
     sampled: bool = False  # its drafts are verified by rejection sampling: each costs a logits row more
 
 
+SMALL_SLOTS = 64  # up to this many candidate draft slots (requests x k), a PolicyBatch is plain lists
+
+
 @dataclass
 class PolicyBatch:
     """A step's decoding requests, built by the scheduler in one pass (a :class:`PolicyInput` per
@@ -307,10 +310,10 @@ class PolicyBatch:
         return isinstance(self.limits, list)
 
     @classmethod
-    def of(cls, reqs: list[PolicyInput], small_slots: int = 64) -> PolicyBatch:
+    def of(cls, reqs: list[PolicyInput]) -> PolicyBatch:
         limits = [max(min(r.limit, len(r.alphas)), 0) for r in reqs]
         k = max(limits, default=0)
-        if len(reqs) * k <= small_slots:
+        if len(reqs) * k <= SMALL_SLOTS:
             return cls(limits, [list(r.alphas[:k]) for r in reqs], [r.sampled for r in reqs])
         alphas = np.zeros((len(reqs), k))
         for i, r in enumerate(reqs):

@@ -23,11 +23,10 @@ from itertools import chain
 import numpy as np
 
 from .block_manager import BlockManager, blocks_for
-from .policy import ALPHA_STRENGTH, AcceptanceStats, PolicyBatch
+from .policy import ALPHA_STRENGTH, SMALL_SLOTS, AcceptanceStats, PolicyBatch
 from .sequence import Sequence, Status
 
 EXPLORE_EVERY = 16  # every 16th step of a request ignores the policy's gain floor
-SMALL_SLOTS = 64  # up to this many candidate draft slots (requests x k), the policy works on plain lists
 
 
 @dataclass

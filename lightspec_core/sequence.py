@@ -94,9 +94,9 @@ class Sequence:
         return (-self.params.priority, self.arrival)
 
     def draft_cap(self, engine_k: int) -> int:
-        cap = engine_k if self.params.num_draft_tokens is None else min(engine_k, self.params.num_draft_tokens)
-        # drafts beyond max_tokens - 1 can never be emitted (the bonus token always comes too)
-        return max(0, min(cap, self.max_new - 1))
+        # drafts beyond max_tokens - 1 can never be emitted (the bonus token always comes too); the
+        # scheduler's per-step pass computes the same from these fields for many requests at once
+        return max(0, min(engine_k, self.draft_cap_asked, self.end_len - len(self.token_ids) - 1))
 
     def record_acceptance(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
         self.num_draft += drafted

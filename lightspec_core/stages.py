@@ -334,8 +334,8 @@ class MTPRunner:
         the same confidences and stop), without its torch tensors. Each of those small ops costs
         microseconds of dispatch, and a lone request's step is where they show: in process the four
         heads' call took 0.36 ms against 0.22 ms for the heads themselves. (Until the ninth session
-        a call that wanted confidences, every call of ``dynamic`` with its confidence stop, took the
-        torch path: its c=1 target call was 0.5 ms longer than ``static:4``'s for the same drafts.)"""
+        a call that wanted confidences, every call under ``confidence_stop: on``, took the torch
+        path: 0.65-0.67 ms for the four heads in process, against 0.37-0.38 ms here.)"""
         ids = np.full((1, big_k), -1, np.int64)
         confs = np.zeros((1, big_k), np.float32)
         state = np.ascontiguousarray(call.hidden[0], dtype=np.float32)
