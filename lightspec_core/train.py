@@ -3,6 +3,7 @@
     python -m lightspec_core.train --out lightspec_core/default_model        # full run (~60 min, 2 cores)
     python -m lightspec_core.train --out /tmp/m --smoke                      # seconds; used by the tests
     python -m lightspec_core.train --out OUT --heads-from DIR --mtp-minutes 40   # more MTP head training only
+    python -m lightspec_core.train --out OUT --heads-from DIR --greedy-data 1024  # ... half on the target's own continuations
 
 Produces ``OUT/target`` (Llama checkpoint, HF layout + tokenizer.json), ``OUT/mtp`` (K MTP heads trained
 with the target frozen, distilled from the target's own next-token distributions, which is what
