@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "from them; 0: text only")
     ap.add_argument("--greedy-share", type=float, default=0.5, help="share of each batch from --greedy-data (default 0.5)")
     a = ap.parse_args(argv)
+    if a.greedy_data and a.heads_from is None:
+        ap.error("--greedy-data: only with --heads-from (the continuations come from a trained target)")
+    if a.greedy_data < 0:
+        ap.error(f"--greedy-data {a.greedy_data}: must be >= 0")
     pr = dict(PRESETS["smoke" if a.smoke else "full"])
     if a.draft_vocab is not None:
         pr["draft_vocab"] = a.draft_vocab

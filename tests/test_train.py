@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from lightspec_core.train import main
@@ -91,3 +92,9 @@ def test_chain_acceptance_counts_what_serving_heads_would_accept(smoke_model):
     # head 1 sees the same inputs on both paths; later heads are teacher-forced in the metric, so
     # only their leading run (the chain) must agree
     assert got["mtp_head_greedy_continuation_agreement"][0] == round(agree[0] / count, 4)
+
+
+def test_greedy_data_needs_a_trained_family(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x"), "--smoke", "--greedy-data", "4"])
+    assert "--greedy-data: only with --heads-from" in capsys.readouterr().err
