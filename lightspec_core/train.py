@@ -231,14 +231,13 @@ def chain_acceptance(target: LlamaModel, mtp: MTPHeads, windows: torch.Tensor, g
     agree = torch.zeros(k)
     chain = 0.0
     count = 0
+    first = gen_start - 1  # t: the hidden state before the first generated token
+    t_end = windows.shape[1] - 1 - k  # positions t in [first, t_end) for every head alike
     for rows in windows.split(16):
         hid = target.forward_train(rows)
-        first = gen_start - 1  # t: the hidden state before the first generated token
         ok = None
         for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, rows), start=1):
-            # lg[:, t] predicts token t+i+1; positions t in [first, T - 1 - K) for every head alike
-            t_end = rows.shape[1] - 1 - k
-            lg = lg[:, first:t_end]
+            lg = lg[:, first:t_end]  # lg[:, t] predicts token t+i+1
             pick = lg.argmax(-1) if vocab is None else vocab[lg[..., vocab].argmax(-1)]
             hit = pick == rows[:, first + i + 1 : t_end + i + 1]
             agree[i - 1] += hit.float().sum()
