@@ -362,6 +362,8 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
         "engine_steps",
         "target_stage_ms",
         "propose_stage_ms",
+        "policy_draft_cost_ms",
+        "target_compute_ms",
     )
     if before is None or after is None:
         return dict.fromkeys(keys)
@@ -393,7 +395,29 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
         "engine_steps": int(engine_steps),
         "target_stage_ms": stage_ms("target"),
         "propose_stage_ms": stage_ms("mtp", "draft", "ngram"),
+        # the dynamic policy's price of a draft when the run ended (gauge; its batch: the run's last)
+        "policy_draft_cost_ms": _gauge_ms(after, "policy_draft_cost_seconds", model),
+        # Triton's own count of the target stage's execution (from the stage receiving a call to its
+        # response): target_stage_ms less this is the BLS round trip as the orchestrator sees it
+        "target_compute_ms": _triton_compute_ms(before, after, TARGET_STAGE),
     }
+
+
+def _gauge_ms(metrics: Metrics, name: str, model: str) -> float | None:
+    found = any(n == "lightspec:" + name and ("model", model) in ls for n, ls in metrics)
+    return 1000 * metric(metrics, name, model) if found else None
+
+
+def _triton_compute_ms(before: Metrics, after: Metrics, model: str) -> float | None:
+    """Mean ``compute_infer`` time per execution of ``model`` between two scrapes (Triton's metrics)."""
+
+    def d(name: str) -> float:
+        want = ("model", model)
+        return sum(v for (n, ls), v in after.items() if n == name and want in ls) - sum(
+            v for (n, ls), v in before.items() if n == name and want in ls)
+
+    execs = d("nv_inference_exec_count")
+    return d("nv_inference_compute_infer_duration_us") / 1000 / execs if execs > 0 else None
 
 
 def wait_for_requests(url: str | None, model: str, count: float, timeout_s: float = 10.0) -> Metrics | None:
@@ -663,6 +687,8 @@ COLUMNS = [
     ("step ms", 7, "step_ms", _num(".2f")),
     ("target ms", 9, "target_stage_ms", _num(".2f")),
     ("propose ms", 10, "propose_stage_ms", _num(".2f")),
+    ("compute ms", 10, "target_compute_ms", _num(".2f")),
+    ("draft cost ms", 13, "policy_draft_cost_ms", _num(".3f")),
 ]
 
 

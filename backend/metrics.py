@@ -53,6 +53,10 @@ DESCRIPTIONS = {
                                       "the GIL or a core)",
     "draft_tokens_per_step": "Draft tokens chosen per request per step (k)",
     "stage_latency_seconds": "Latency of one stage call",
+    "policy_draft_cost_seconds": "Dynamic policy: what one more draft token costs a step at the current batch size "
+                                 "(verified and proposed)",
+    "policy_step_excess_seconds": "Dynamic policy: measured target call time beyond the stage profile, per call",
+    "policy_step_overhead_seconds": "Dynamic policy: measured step time outside the stages (engine, responses)",
 }
 PREFIX = "lightspec:"
 

@@ -116,6 +116,7 @@ class LLMEngine:
                                    k, cfg.kv_high_water, cfg.speculative)
         if self.confidence is not None:
             policy.floors_wanted = True
+        self._plans_with_cost = isinstance(policy, DynamicPolicy)
         self.proposer = self._make_proposer(k)
         self.fused = bool(k) and cfg.fused_mtp
         self.seqs: dict[str, Sequence] = {}
@@ -488,3 +489,8 @@ class LLMEngine:
         g["kv_cache_fragmentation_ratio"] = self.blocks.fragmentation()
         g["stage_inflight_calls"] = len(self._inflight)
         self.stats.counters["num_preemptions_total"] = self.scheduler.num_preemptions
+        if self._plans_with_cost:  # what the dynamic policy believes a step costs, at today's batch
+            cost = self.cost
+            g["policy_draft_cost_seconds"] = cost.per_slot(max(len(self.scheduler.running), 1))
+            g["policy_step_excess_seconds"] = cost.verify_extra
+            g["policy_step_overhead_seconds"] = cost.overhead

@@ -318,3 +318,20 @@ def test_server_stats_split_a_step_into_stage_calls():
     assert s["propose_stage_ms"] == pytest.approx(2.0)
     none = bench.server_stats(before, before, "m")  # no calls between the scrapes: no mean
     assert none["target_stage_ms"] is None and none["propose_stage_ms"] is None
+    assert s["target_compute_ms"] is None and s["policy_draft_cost_ms"] is None  # not in these scrapes
+
+
+def test_server_stats_take_the_target_stage_compute_from_triton_and_the_policy_gauge():
+    """Triton's own compute time per execution of the target stage (its nv_inference counters, a
+    difference between scrapes) and the dynamic policy's draft price (a gauge: its value after)."""
+    def expo(execs, us, cost):
+        return "\n".join([
+            f'nv_inference_exec_count{{model="{bench.TARGET_STAGE}",version="1"}} {execs}',
+            f'nv_inference_compute_infer_duration_us{{model="{bench.TARGET_STAGE}",version="1"}} {us}',
+            f'nv_inference_exec_count{{model="m",version="1"}} 7',
+            f'nv_inference_compute_infer_duration_us{{model="m",version="1"}} 9999',
+            f'lightspec:policy_draft_cost_seconds{{model="m",version="1"}} {cost}',
+        ]) + "\n"
+    s = bench.server_stats(bench.parse_metrics(expo(10, 50_000, 0.001)), bench.parse_metrics(expo(110, 750_000, 0.0003)), "m")
+    assert s["target_compute_ms"] == pytest.approx(7.0)
+    assert s["policy_draft_cost_ms"] == pytest.approx(0.3)

@@ -187,6 +187,22 @@ def test_dynamic_engine_profiles_its_stages_once_before_computing(smoke_model):
         ["x = 1"], SamplingParams(max_tokens=8))[0].output_token_ids
 
 
+def test_dynamic_engine_publishes_what_its_policy_believes_a_step_costs(smoke_model):
+    """Gauges of the cost model the dynamic policy plans with: a draft's price at the current batch,
+    the target's measured excess over its profile and the step's overhead; a static engine has none."""
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", max_num_seqs=8)
+    eng = LLMEngine(cfg)
+    eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=8))
+    snap = eng.stats.snapshot()
+    # the last step ran with no request left running: the price is quoted at a batch of one
+    assert snap["policy_draft_cost_seconds"] == pytest.approx(eng.cost.per_slot(1)) and snap["policy_draft_cost_seconds"] > 0
+    assert snap["policy_step_excess_seconds"] == eng.cost.verify_extra != 0.0  # measured, not the initial 0
+    assert snap["policy_step_overhead_seconds"] == eng.cost.overhead
+    static = LLMEngine(EngineConfig(model_dir=cfg.model_dir, speculation="mtp", policy="static:2"))
+    static.generate(["x = 1"], SamplingParams(max_tokens=4))
+    assert not any(k.startswith("policy_") for k in static.stats.snapshot())
+
+
 def test_a_failed_profile_leaves_generic_costs_and_serving_intact(smoke_model):
     cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp")
     eng = LLMEngine(cfg, executor=FlakyExecutor(build_local_executor(cfg)))  # fails the profile's first call
