@@ -311,10 +311,15 @@ def scrape(url: str | None) -> Metrics | None:
         return None
 
 
+def _samples(metrics: Metrics, full_name: str, model: str, **labels: str) -> list[float]:
+    """The values of metric ``full_name`` (prefix included) for ``model`` (and the given labels)."""
+    want = {("model", model), *labels.items()}
+    return [v for (n, ls), v in metrics.items() if n == full_name and want <= ls]
+
+
 def metric(metrics: Metrics, name: str, model: str, **labels: str) -> float:
     """Sum of the samples of ``lightspec:<name>`` for ``model`` (and the given labels)."""
-    want = {("model", model), *labels.items()}
-    return sum(v for (n, ls), v in metrics.items() if n == "lightspec:" + name and want <= ls)
+    return sum(_samples(metrics, "lightspec:" + name, model, **labels))
 
 
 def histogram_delta(before: Metrics, after: Metrics, name: str, model: str) -> list[tuple[float, float]]:
@@ -404,17 +409,15 @@ def server_stats(before: Metrics | None, after: Metrics | None, model: str) -> d
 
 
 def _gauge_ms(metrics: Metrics, name: str, model: str) -> float | None:
-    found = any(n == "lightspec:" + name and ("model", model) in ls for n, ls in metrics)
-    return 1000 * metric(metrics, name, model) if found else None
+    found = _samples(metrics, "lightspec:" + name, model)
+    return 1000 * sum(found) if found else None
 
 
 def _triton_compute_ms(before: Metrics, after: Metrics, model: str) -> float | None:
     """Mean ``compute_infer`` time per execution of ``model`` between two scrapes (Triton's metrics)."""
 
     def d(name: str) -> float:
-        want = ("model", model)
-        return sum(v for (n, ls), v in after.items() if n == name and want in ls) - sum(
-            v for (n, ls), v in before.items() if n == name and want in ls)
+        return sum(_samples(after, name, model)) - sum(_samples(before, name, model))
 
     execs = d("nv_inference_exec_count")
     return d("nv_inference_compute_infer_duration_us") / 1000 / execs if execs > 0 else None
