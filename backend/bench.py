@@ -199,7 +199,7 @@ def trim(text: str, max_tokens: int, tokenizer, sep: str = "\n") -> str:
 def _code_windows(n: int, seed: int, max_chars: int) -> list[str]:
     """``n`` windows of held-out standard-library code, each ending with a ``def ...:`` line (the
     model continues the function body). Deterministic for a given seed and Python installation."""
-    from lightspec_core.train import stdlib_files
+    from lightspec_core.corpus import stdlib_files
 
     files = list(stdlib_files()[1])
     rng = random.Random(seed)
@@ -1140,7 +1140,7 @@ def _overrides(args, prompts: list[Prompt], tokenizer, loads: list[Load]) -> dic
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--hf" in argv:
-        from . import bench_hf
+        from lightspec_backend import bench_hf
 
         return bench_hf.main([a for a in argv if a != "--hf"])
     args = build_parser().parse_args(argv)

@@ -16,15 +16,8 @@ from dataclasses import fields
 
 import numpy as np
 
-from lightspec_core.stages import (
-    ModelCall,
-    ModelResult,
-    MTPCall,
-    MTPResult,
-    from_tensors,
-    submit_timed,
-    to_tensors,
-)
+from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
+from lightspec_core.stages.executor import submit_timed
 
 RESULT_TYPES = {ModelCall: ModelResult, MTPCall: MTPResult}
 

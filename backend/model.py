@@ -83,8 +83,9 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     stages = {s: config.stage_models[s] for s in config.stages_in_use()}
     executor = BLSExecutor(stages, pb_utils)
     if config.engine.speculative and config.local_stage(config.engine.speculation):
-        from lightspec_core.engine import resolve_dirs
-        from lightspec_core.stages import LocalExecutor, MTPRunner, RoutingExecutor
+        from lightspec_core.engine.engine import resolve_dirs
+        from lightspec_core.stages.executor import LocalExecutor, RoutingExecutor
+        from lightspec_core.stages.mtp import MTPRunner
 
         target, mtp, _ = resolve_dirs(config.engine)
         local = LocalExecutor({"mtp": MTPRunner(target, mtp, config.engine.device)})
@@ -119,9 +120,10 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     from lightspec_backend.params import available_cpus, stage_threads
     from lightspec_backend.stage import StageModel
 
-    from lightspec_core.engine import resolve_dirs
-    from lightspec_core.memory import keep_freed_memory
-    from lightspec_core.stages import ModelRunner, MTPRunner
+    from lightspec_core.engine.engine import resolve_dirs
+    from lightspec_core.stages.memory import keep_freed_memory
+    from lightspec_core.stages.target import ModelRunner
+    from lightspec_core.stages.mtp import MTPRunner
 
     cfg = config.engine
     if not keep_freed_memory():  # a step's megabytes of temporaries reuse freed memory (see there)

@@ -178,7 +178,7 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
 
 def check_checkpoints(config: BackendConfig) -> None:
     """Fail early, naming the parameter, when a checkpoint this role needs is not there."""
-    from lightspec_core.engine import resolve_dirs
+    from lightspec_core.engine.engine import resolve_dirs
 
     target, mtp, draft = resolve_dirs(config.engine)
     role = config.role
@@ -193,7 +193,7 @@ def check_checkpoints(config: BackendConfig) -> None:
         if not (Path(path) / marker).is_file():
             value = getattr(config.engine, param) or ""
             hint = (
-                " (empty: the embedded default model; train it with python -m lightspec_core.train)"
+                " (empty: the embedded default model; train it with python tools/train_default.py)"
                 if not value
                 else ""
             )

@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from lightspec_core.config import EngineConfig
-from lightspec_core.stages import ModelCall, ModelResult, MTPCall, MTPResult
+from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult
 
 from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, Role
 from .tensors import INPUTS, OUTPUTS, TensorSpec

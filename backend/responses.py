@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightspec_core.outputs import RequestDelta
+from lightspec_core.engine.outputs import RequestDelta
 
 from .inputs import GenerateRequest
 

@@ -12,7 +12,7 @@ from dataclasses import MISSING, fields
 
 import numpy as np
 
-from lightspec_core.stages import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
+from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
 
 from .params import Role, StageThreads
 

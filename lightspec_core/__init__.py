@@ -6,8 +6,8 @@
 """
 
 from .config import EngineConfig, SamplingParams, SpecMethod
-from .engine import LLMEngine, default_model_dir
-from .outputs import RequestDelta, RequestOutput
+from .engine.engine import LLMEngine, default_model_dir
+from .engine.outputs import RequestDelta, RequestOutput
 
 __all__ = [
     "EngineConfig",

@@ -13,7 +13,7 @@ from lightspec_core import default_model_dir
 @pytest.fixture(scope="session")
 def smoke_model(tmp_path_factory) -> Path:
     """Runs the real training command in smoke mode; returns the family root (target/mtp/draft)."""
-    from lightspec_core.train import main
+    from tools.train_default import main
 
     out = tmp_path_factory.mktemp("smoke") / "model"
     main(["--out", str(out), "--smoke", "--seed", "0"])
@@ -23,5 +23,5 @@ def smoke_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     d = Path(default_model_dir())
-    assert (d / "model.safetensors").exists(), f"default model weights missing in {d}: run python -m lightspec_core.train"
+    assert (d / "model.safetensors").exists(), f"default model weights missing in {d}: run python tools/train_default.py"
     return d.parent

@@ -1,0 +1,123 @@
+"""Request state. Speculation is "more tokens to catch up": a step feeds
+``token_ids[num_computed:]`` plus k drafts; a rejection is a rollback of ``num_computed``.
+
+Invariant while decoding: ``num_computed == len(token_ids) - 1`` (the newest token's K/V is written
+by the next step, which also verifies the drafts that follow it).
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+import numpy as np
+
+from ..config import SamplingParams
+from ..models.tokenizer import IncrementalDetokenizer
+
+
+class Status(Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 detok: IncrementalDetokenizer, seed: int, arrival: int):
+        self.request_id = request_id
+        self.params = params
+        self.prompt_len = len(prompt_ids)
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_computed = 0
+        self.status = Status.WAITING
+        self.arrival = arrival  # monotonically increasing admission order
+        self.rng = np.random.default_rng(params.seed if params.seed is not None else seed)
+        self.detok = detok
+        self.text = ""
+        self.sent_tokens = 0  # output tokens already reported in a delta
+        self.sent_chars = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.aborted = False
+        # speculation state
+        self.last_hidden: np.ndarray | None = None  # target hidden at the last verified position
+        self.draft_computed = 0  # tokens whose K/V the draft model holds
+        # fused MTP: the drafts the target stage proposed for the next step, valid while the
+        # sequence has ``fused_at`` tokens (see ModelCall.mtp_drafts)
+        self.fused_ids: list[int] | None = None
+        self.fused_conf: list[float] | None = None
+        self.fused_at = -1
+        self.ngram_index = None  # the n-gram proposer's incremental index of token_ids (NgramIndex)
+        self.warm = False  # a sampled step completed since (re)admission: proposers have their inputs
+        self.num_draft = 0
+        self.num_accepted = 0
+        self.num_steps = 0
+        # per draft position j, decayed counts: times j was reached (drafts < j all accepted) and
+        # times it was accepted; their ratio is the conditional acceptance rate the policy uses
+        self.pos_reached: list[float] = []
+        self.pos_accepted: list[float] = []
+        # fixed per request, read by the scheduler's per-step pass: the draft depth the request asked
+        # for at most, its length when max_tokens is reached, and whether it samples
+        self.draft_cap_asked = params.num_draft_tokens if params.num_draft_tokens is not None else 1 << 30
+        self.end_len = self.prompt_len + params.max_tokens
+        self.sampled = params.temperature != 0.0
+        # timing
+        self.t_arrival = time.perf_counter()
+        self.t_first_token: float | None = None
+        self.t_last_token: float | None = None
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed == len(self.token_ids) - 1
+
+    @property
+    def max_new(self) -> int:
+        return self.params.max_tokens - self.num_output
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        # higher priority first, then first come first served
+        return (-self.params.priority, self.arrival)
+
+    def draft_cap(self, engine_k: int) -> int:
+        # drafts beyond max_tokens - 1 can never be emitted (the bonus token always comes too); the
+        # scheduler's per-step pass computes the same from these fields for many requests at once
+        return max(0, min(engine_k, self.draft_cap_asked, self.end_len - len(self.token_ids) - 1))
+
+    def record_acceptance(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
+        self.num_draft += drafted
+        self.num_accepted += accepted
+        if drafted == 0:
+            return
+        while len(self.pos_reached) < drafted:
+            self.pos_reached.append(0.0)
+            self.pos_accepted.append(0.0)
+        for j in range(len(self.pos_reached)):
+            self.pos_reached[j] *= decay
+            self.pos_accepted[j] *= decay
+        for j in range(min(drafted, accepted + 1)):
+            self.pos_reached[j] += 1.0
+            if j < accepted:
+                self.pos_accepted[j] += 1.0
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed = 0
+        self.draft_computed = 0
+        self.last_hidden = None
+        self.fused_ids = self.fused_conf = None
+        self.warm = False
+        self.status = Status.WAITING

@@ -1,0 +1,1 @@
+"""The runner's model code: the Llama-family transformer, MTP heads, tokenizer."""

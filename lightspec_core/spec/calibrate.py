@@ -1,0 +1,216 @@
+"""Stage profile taken when a dynamic engine starts: what a step costs against batch size and drafts.
+
+Like vLLM's profile run, before its first real step the engine times a small grid of synthetic steps
+on its own stages, through the same executor it serves with (so through BLS in Triton): the target
+at each batch size B in 1, 2, 4, ... ``max_num_seqs`` with one token per request and with K drafts
+each, one longer context, one prompt chunk, the largest step again with its logits returned (what a
+sampled request's row costs more), and the proposer at depth 1 and K. The dynamic policy
+plans with the fitted :class:`~lightspec_core.policy.VerifyCost` / ``ProposeCost``; measurement
+while serving then only rescales them (see ``CostModel``).
+
+All requests of a synthetic step share one block table: their K/V writes land on the same few
+blocks, which no request owns yet, and the work done is exactly that of distinct tables. The
+profile takes about a second for the default model on a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import SpecMethod
+from .cost import ProposeCost, VerifyCost
+from ..stages.executor import Executor
+from ..stages.contract import ModelCall, MTPCall
+
+
+@dataclass
+class ProfileSpec:
+    method: SpecMethod
+    max_k: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    hidden_size: int
+    reps: int = 3
+    vocab_size: int = 0  # for timing the target distribution of sampled rows (0: not timed)
+    # fused MTP: the target stage runs the heads for every greedy request of a step (K drafts each,
+    # whatever k it verifies), so the profiled target calls do too
+    fused_mtp: bool = False
+
+
+def profile_sizes(max_num_seqs: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_num_seqs]
+
+
+def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (active set; a handful of columns)."""
+    free = np.ones(x.shape[1], dtype=bool)
+    theta = np.zeros(x.shape[1])
+    while free.any():
+        th, *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
+        if (th >= 0).all():
+            theta[free] = th
+            return theta
+        idx = np.flatnonzero(free)
+        free[idx[th < 0]] = False
+    return theta
+
+
+class _Timer:
+    """Times stage calls the way serving runs them: each timed call follows a call to the other
+    stage (proposer before target, target before proposer), so its weights come from memory as
+    they do in an engine step rather than from a cache a tight loop keeps warm. On a CPU the
+    difference is up to 2x for a small model."""
+
+    def __init__(self, executor: Executor, reps: int, clock: Callable[[], float]):
+        self.executor, self.reps, self.clock = executor, reps, clock
+        self.before: dict[str, tuple[str, object]] = {}  # stage -> the call to run before timing it
+
+    def run(self, stage: str, call) -> None:
+        self.executor.submit(stage, call).result()
+
+    def __call__(self, stage: str, call) -> float:
+        """Fastest of ``reps`` runs (after one warm-up): the least disturbed by other processes."""
+        self.run(stage, call)
+        best = float("inf")
+        for _ in range(self.reps):
+            if stage in self.before:
+                self.run(*self.before[stage])
+            t0 = self.clock()
+            self.run(stage, call)
+            best = min(best, self.clock() - t0)
+        return best
+
+
+def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False,
+                 fused: int = 0) -> ModelCall:
+    """``b`` requests verifying ``k`` drafts each; ``fused``: each also asks for that many next drafts
+    from the stage's MTP heads (their rows stop at the first draft, as any mismatch does)."""
+    q = 1 + k
+    return ModelCall(
+        input_ids=np.full(b * q, 3, np.int64),
+        positions=np.tile(np.arange(ctx, ctx + q, dtype=np.int64), b),
+        query_lens=np.full(b, q, np.int32),
+        block_tables=np.tile(np.asarray(table, np.int32), (b, 1)),
+        sample_indices=np.arange(b * q, dtype=np.int64),
+        return_logits=np.array([logits]),
+        return_hidden=np.array([hidden]),
+        mtp_drafts=np.full(b if fused else 0, fused, np.int32),
+    )
+
+
+def _prefill_call(n: int, table: list[int]) -> ModelCall:
+    return ModelCall(
+        input_ids=np.full(n, 3, np.int64), positions=np.arange(n, dtype=np.int64),
+        query_lens=np.array([n], np.int32), block_tables=np.asarray([table], np.int32),
+        sample_indices=np.array([n - 1], np.int64), return_logits=np.array([False]), return_hidden=np.array([False]),
+    )
+
+
+def _mtp_call(b: int, k: int, max_k: int, hidden_size: int) -> MTPCall:
+    return MTPCall(
+        hidden=np.zeros((b, hidden_size), np.float32), last_ids=np.full(b, 3, np.int64),
+        num_tokens=np.full(b, k, np.int32), temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
+        top_p=np.ones(b, np.float32), uniforms=np.zeros((b, max_k), np.float32), return_probs=np.array([False]),
+    )
+
+
+def _probs_seconds(rows: int, vocab_size: int, clock: Callable[[], float], reps: int = 3) -> float:
+    """The engine's target distribution for ``rows`` sampled rows (temperature 1), fastest of ``reps``."""
+    if vocab_size <= 0:
+        return 0.0
+    import torch
+
+    from .sampling import probs_from_logits
+
+    logits = torch.randn(rows, vocab_size)
+    ones, zeros = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
+    best = float("inf")
+    for _ in range(reps + 1):
+        t0 = clock()
+        probs_from_logits(logits, ones, zeros, ones).numpy()
+        best = min(best, clock() - t0)
+    return best
+
+
+def calibrate(executor: Executor, spec: ProfileSpec,
+              clock: Callable[[], float] = time.perf_counter) -> tuple[VerifyCost, ProposeCost]:
+    timer = _Timer(executor, spec.reps, clock)
+    big_k = spec.max_k
+    bs = spec.block_size
+    # contexts: a typical one and a longer one, inside the model and the pool
+    room = min(spec.max_model_len, spec.num_blocks * bs) - big_k - 1
+    ctx0 = max(1, min(256, room // 2))
+    ctx1 = max(ctx0, min(2 * ctx0, room))
+    table = list(range(-(-(ctx1 + big_k + 1) // bs)))
+    # fused MTP: greedy requests' next drafts come back from the target call instead of its hidden
+    # states, and no proposer call runs between two target calls
+    fused = big_k if spec.fused_mtp and spec.method is SpecMethod.MTP else 0
+    hidden = spec.method is SpecMethod.MTP and not fused
+
+    def target(b: int, k: int, ctx: int, logits: bool = False) -> ModelCall:
+        return _target_call(b, k, ctx, table, hidden, logits, fused)
+
+    sizes = profile_sizes(spec.max_num_seqs)
+    proposer = {SpecMethod.MTP: "mtp", SpecMethod.DRAFT: "draft"}.get(spec.method) if big_k >= 1 else None
+    if proposer == "mtp" and not fused:
+        timer.before["target"] = ("mtp", _mtp_call(1, big_k, big_k, spec.hidden_size))
+    elif proposer == "draft":
+        timer.before["target"] = ("draft", _target_call(1, 0, ctx0, table, False))
+    if proposer:
+        timer.before[proposer] = ("target", _target_call(1, 0, ctx0, table, spec.method is SpecMethod.MTP))
+    fixed, drafted = [], []  # drafted: (drafts, extra seconds) at each size, or None
+    for b in sizes:
+        k = min(big_k, spec.max_num_batched_tokens // b - 1)
+        t0 = timer("target", target(b, 0, ctx0))
+        fixed.append(t0)
+        drafted.append((b * k, timer("target", target(b, k, ctx0)) - t0) if k >= 1 else None)
+    # the context term, from the largest batch (where it is largest and best measured)
+    b_max = sizes[-1]
+    largest = fixed[-1] + (drafted[-1][1] if drafted[-1] else 0.0)  # its step with drafts, as timed
+    per_context = 0.0
+    if ctx1 > ctx0:
+        t1 = timer("target", target(b_max, 0, ctx1))
+        per_context = max(t1 - fixed[-1], 0.0) / (b_max * (ctx1 - ctx0))
+    # the engine passes the context apart: requests x (longest position + 1), which drafts lengthen
+    fixed = [f - per_context * b * (ctx0 + 1) for f, b in zip(fixed, sizes)]
+    per_draft: list[float] = []
+    for b, d in zip(sizes, drafted):
+        if d is None:  # the token budget leaves no room to draft at this size: keep the last slope
+            per_draft.append(per_draft[-1] if per_draft else 1e-4)
+        else:
+            n, extra = d
+            per_draft.append(max(extra - per_context * n, 0.0) / n)
+    n_pre = max(1, min(256, spec.max_num_batched_tokens, room))
+    t_pre = timer("target", _prefill_call(n_pre, table))
+    per_prefill = max(t_pre - fixed[0] - per_context * n_pre, 0.0) / n_pre
+    # a sampled request's rows: logits returned by the stage, and the engine's target distribution
+    k_last = drafted[-1][0] // b_max if drafted[-1] else 0
+    rows = b_max * (1 + k_last)
+    with_logits = timer("target", target(b_max, k_last, ctx0, logits=True))
+    per_logits_row = max(with_logits - largest, 0.0) / rows + _probs_seconds(rows, spec.vocab_size, clock) / rows
+    verify = VerifyCost(sizes, fixed, per_draft, per_context, per_prefill, per_logits_row)
+
+    propose = ProposeCost(fixed=1e-5, per_draft=1e-5, per_depth=0.0)  # n-gram lookup: next to free
+    if proposer:
+        rows = []
+        for b in sizes:
+            # a draft model proposes with k sequential steps of one token per request
+            step = timer("draft", _target_call(b, 0, ctx0, table, False)) if proposer == "draft" else 0.0
+            for k in sorted({1, big_k}):
+                t = timer("mtp", _mtp_call(b, k, big_k, spec.hidden_size)) if proposer == "mtp" else k * step
+                rows.append((1.0, b * k, k, t))
+        arr = np.array(rows)
+        p0, p_draft, p_depth = _fit_nonneg(arr[:, :3], arr[:, 3])
+        propose = ProposeCost(fixed=float(p0), per_draft=float(max(p_draft, 1e-7)), per_depth=float(p_depth))
+    return verify, propose

@@ -1,0 +1,86 @@
+"""Draft-model speculation: a small causal LM on the ``draft`` stage."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..stages.contract import ModelCall, pack_block_tables
+from ..stages.executor import Executor
+from .proposer import Proposal, drafting, sampling_arrays
+from .sampling import probs_from_logits
+
+
+class DraftModelProposer:
+    """A small causal LM on the ``draft`` stage with its own KV pool, addressed by the same block
+    tables as the target's (the lookahead blocks reserved for drafts cover its writes).
+
+    It first catches up on the tokens it has not seen (prompt, accepted tokens, bonus), then feeds
+    its own drafts one at a time. K/V of a draft that is later rejected is simply overwritten: the
+    engine lowers ``draft_computed`` to the verified length."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+
+    def _pick(self, seqs, logits: np.ndarray, top1: np.ndarray) -> tuple[list[int], list[np.ndarray | None]]:
+        """``logits``: the rows of the sampled requests only, in order."""
+        sampled = [s for s in seqs if not s.params.greedy]
+        if not sampled:
+            return [int(t) for t in top1], [None] * len(seqs)
+        temp, top_k, top_p = sampling_arrays(sampled)
+        probs = iter(probs_from_logits(torch.from_numpy(logits), torch.from_numpy(temp),
+                                       torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(top_p)).numpy())
+        toks, qs = [], []
+        for s, t1 in zip(seqs, top1):
+            if s.params.greedy:
+                toks.append(int(t1))
+                qs.append(None)
+            else:
+                pr = next(probs)
+                cdf = np.cumsum(pr, dtype=np.float64)
+                toks.append(min(int(np.searchsorted(cdf, s.rng.random() * cdf[-1], side="right")), len(pr) - 1))
+                qs.append(pr)
+        return toks, qs
+
+    def _call(self, seqs, inputs: list[list[int]], starts: list[int], tables):
+        ids = np.array([t for toks in inputs for t in toks], np.int64)
+        pos = np.array([p for toks, s in zip(inputs, starts) for p in range(s, s + len(toks))], np.int64)
+        qlens = np.array([len(t) for t in inputs], np.int32)
+        bt = pack_block_tables(tables)
+        call = ModelCall(
+            input_ids=ids, positions=pos, query_lens=qlens, block_tables=bt,
+            sample_indices=(np.cumsum(qlens) - 1).astype(np.int64),
+            return_logits=np.array([not s.params.greedy for s in seqs]), return_hidden=np.array([False]),
+        )
+        res = self.executor.submit("draft", call).result()
+        return self._pick(seqs, res.logits, res.top1_ids)
+
+    def propose(self, seqs, ks, tables, floors=None):
+        idx, out = drafting(ks)
+        if not idx:
+            return out
+        sub = [seqs[i] for i in idx]
+        sub_tables = [tables[i] for i in idx]
+        drafts: list[list[int]] = [[] for _ in sub]
+        qs: list[list[np.ndarray]] = [[] for _ in sub]
+        # catch up: every unseen known token, sample after the newest one
+        inputs = [s.token_ids[s.draft_computed:] for s in sub]
+        starts = [s.draft_computed for s in sub]
+        toks, q = self._call(sub, inputs, starts, sub_tables)
+        for r, s in enumerate(sub):
+            s.draft_computed = s.num_tokens
+            drafts[r].append(toks[r])
+            qs[r].append(q[r])
+        for j in range(1, max(ks[i] for i in idx)):
+            live = [r for r, i in enumerate(idx) if ks[i] > j]
+            lsub = [sub[r] for r in live]
+            toks, q = self._call(lsub, [[drafts[r][-1]] for r in live],
+                                 [sub[r].num_tokens + j - 1 for r in live], [sub_tables[r] for r in live])
+            for n, r in enumerate(live):
+                sub[r].draft_computed += 1
+                drafts[r].append(toks[n])
+                qs[r].append(q[n])
+        for r, i in enumerate(idx):
+            q = np.stack(qs[r]) if qs[r][0] is not None else None
+            out[i] = Proposal(drafts[r], q)
+        return out

@@ -1,0 +1,87 @@
+"""How the engine reaches its stages: in this process (``LocalExecutor``), or per stage through
+another executor (``RoutingExecutor``); the Triton backend adds the BLS executor."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+
+class Executor(Protocol):
+    """How the engine reaches its stages. ``submit`` must not block on the stage's work when the
+    engine pipelines (depth 2); results arrive through the future, which carries ``t_done``
+    (``time.perf_counter()`` when the stage's answer arrived) where the executor knows it (see
+    :func:`submit_timed`)."""
+
+    def submit(self, stage: str, call) -> Future: ...
+
+    def close(self) -> None: ...
+
+
+def submit_timed(pool: ThreadPoolExecutor, fn, *args) -> Future:
+    """``pool.submit(fn, *args)``, whose future carries ``t_done``, stamped in the worker when ``fn``
+    returned, before the result is set. A done-callback stamps after ``set_result`` has woken the
+    waiting thread, so its time depends on which thread the interpreter runs first; this one does
+    not. (In the server the two gave the same mean target-stage latency, within noise: A/B at c=1
+    and 4, ``docs/results/ab_stage_stamp.json``.)"""
+    fut: Future = Future()
+
+    def run() -> None:
+        if fut.set_running_or_notify_cancel():
+            _settle(fut, fn, *args)
+
+    pool.submit(run)
+    return fut
+
+
+def _settle(fut: Future, fn, *args) -> None:
+    """Run ``fn`` and hand its result or exception to ``fut``, stamping ``t_done`` first."""
+    try:
+        result = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, as pool.submit does
+        fut.t_done = time.perf_counter()
+        fut.set_exception(e)
+    else:
+        fut.t_done = time.perf_counter()
+        fut.set_result(result)
+
+
+class LocalExecutor:
+    """Runs stages in this process. With ``threaded=True`` each stage has one worker thread (like
+    one Triton model instance), so a target call and an MTP/draft call can overlap; torch releases
+    the GIL inside its kernels."""
+
+    def __init__(self, runners: dict[str, object], threaded: bool = False):
+        self.runners = runners
+        self.threaded = threaded
+        self._pools = {name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in runners} if threaded else {}
+
+    def submit(self, stage: str, call) -> Future:
+        runner = self.runners[stage]
+        if self.threaded:
+            return submit_timed(self._pools[stage], runner.execute, call)
+        fut: Future = Future()
+        _settle(fut, runner.execute, call)  # a failure reaches the engine through the future, like a BLS error
+        return fut
+
+    def close(self) -> None:
+        for p in self._pools.values():
+            p.shutdown(wait=True)
+
+
+class RoutingExecutor:
+    """Sends each stage to its own executor, e.g. MTP heads in this process and the target over BLS
+    (saves one inter-process round trip per step where the heads are cheap)."""
+
+    def __init__(self, routes: dict[str, Executor]):
+        self.routes = routes
+
+    def submit(self, stage: str, call) -> Future:
+        if stage not in self.routes:
+            raise ValueError(f"stage {stage!r}: no executor configured (known: {sorted(self.routes)})")
+        return self.routes[stage].submit(stage, call)
+
+    def close(self) -> None:
+        for ex in {id(e): e for e in self.routes.values()}.values():
+            ex.close()

@@ -1,0 +1,112 @@
+"""The target (or draft) model's stage runner: one causal LM's weights and its paged KV pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..models.llama import LlamaModel, PagedBatch
+from .contract import ModelCall, ModelResult, MTPCall
+from .mtp import MTPRunner
+
+
+class ModelRunner:
+    """Owns one causal LM's weights and its paged KV pool; executes packed steps. With ``heads`` (an
+    :class:`MTPRunner` over the same target) it also proposes fused MTP drafts (``mtp_drafts``)."""
+
+    def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, device: str = "cpu",
+                 heads: MTPRunner | None = None):
+        self.heads = heads
+        self.model = LlamaModel.load(model_dir).to(device)
+        self.config = self.model.config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.kv = self.model.new_kv_cache(num_blocks, block_size, device=device)
+
+    def execute(self, call: ModelCall) -> ModelResult:
+        dev = self.device
+        batch = PagedBatch.build(  # index tensors built on the CPU, then moved to ``dev``
+            torch.from_numpy(np.ascontiguousarray(call.input_ids, dtype=np.int64)).to(dev),
+            torch.from_numpy(np.ascontiguousarray(call.positions, dtype=np.int64)),
+            [int(q) for q in call.query_lens],
+            torch.from_numpy(np.ascontiguousarray(call.block_tables, dtype=np.int32)),
+            self.block_size,
+            torch.from_numpy(np.ascontiguousarray(call.sample_indices, dtype=np.int64)),
+        )
+        with torch.inference_mode():
+            hidden = self.model.forward_paged(batch, self.kv)
+            logits = self.model.logits(hidden)
+        h = self.config.hidden_size
+        top1 = logits.argmax(-1).cpu().numpy()
+        result = ModelResult(
+            top1_ids=top1,
+            logits=_marked_rows(logits, call.return_logits, "return_logits").float().cpu().numpy(),
+            hidden=hidden.float().cpu().numpy() if call.return_hidden[0] else np.zeros((0, h), np.float32),
+        )
+        if np.asarray(call.mtp_drafts).size:
+            result.next_draft_ids, result.next_draft_conf, result.accepted = self._fused_drafts(call, top1, hidden)
+        return result
+
+    def _fused_drafts(self, call: ModelCall, top1: np.ndarray, hidden: torch.Tensor):
+        """Greedy verification of each request's drafts, then its next drafts from the MTP heads, in
+        this process right after the forward (see ``ModelCall.mtp_drafts``)."""
+        want = np.asarray(call.mtp_drafts, np.int32)
+        b = len(call.query_lens)
+        if self.heads is None:
+            raise ValueError("mtp_drafts: this stage has no MTP heads (stage parameter mtp_heads: on loads them)")
+        if want.shape != (b,):
+            raise ValueError(f"mtp_drafts: {want.size} values for {b} requests")
+        big_k = self.heads.num_heads
+        if want.size and (int(want.max()) > big_k or int(want.min()) < 0):
+            raise ValueError(f"mtp_drafts: values must be in 0..{big_k} (the MTP heads)")
+        rows = np.asarray(call.sample_indices, np.int64)
+        ids = np.asarray(call.input_ids, np.int64)
+        next_ids = np.full((b, big_k), -1, np.int64)
+        conf = np.zeros((b, big_k), np.float32)
+        accepted = np.full(b, -1, np.int32)
+        m = len(rows)
+        if m == 0:
+            return next_ids, conf, accepted
+        req = np.searchsorted(np.cumsum(call.query_lens), rows, side="right")  # each sample row's request
+        change = req[1:] != req[:-1]
+        first_row = np.concatenate(([True], change))  # (np.r_ costs 17 us a call)
+        last_row = np.concatenate((change, [True]))
+        # a row "stops" where its top-1 is not the next row's draft, or where the request ends
+        stops = last_row | (top1 != ids[np.minimum(rows + 1, len(ids) - 1)])
+        starts = np.flatnonzero(first_row)
+        bonus = np.minimum.reduceat(np.where(stops, np.arange(m), m), starts)  # first stopping row
+        owners = req[starts]
+        go = want[owners] > 0
+        if not go.any():
+            return next_ids, conf, accepted
+        owners, bonus = owners[go], bonus[go]
+        accepted[owners] = bonus - starts[go]
+        n = len(owners)
+        res = self.heads.execute(MTPCall(
+            hidden=hidden[torch.from_numpy(bonus).to(hidden.device)].float().cpu().numpy(),
+            last_ids=top1[bonus].astype(np.int64), num_tokens=want[owners],
+            temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+            uniforms=np.zeros((n, big_k), np.float32), return_probs=np.array([False]),
+            # confidences wanted: a table of ones and no floor, so every chain runs to its count
+            min_gain=np.zeros(n, np.float32),
+            calibration=np.ones((2, 1, 1) if bool(np.asarray(call.mtp_conf).any()) else (0, 0, 0), np.float32),
+        ))
+        next_ids[owners], conf[owners] = res.draft_ids, res.draft_conf
+        return next_ids, conf, accepted
+
+
+def _marked_rows(rows: torch.Tensor, mask: np.ndarray, name: str) -> torch.Tensor:
+    """The rows of ``rows`` [M, ...] whose flag in ``mask`` ([M], or [1] for all/none) is set.
+    Only sampled requests need logits: a mixed batch sends theirs, not all M rows of V floats."""
+    mask = np.asarray(mask, bool).reshape(-1)
+    m = rows.shape[0]
+    if mask.size == 1 and m != 1:
+        mask = np.full(m, bool(mask[0]))
+    if mask.size != m:
+        raise ValueError(f"{name}: {mask.size} flags for {m} sample rows")
+    if mask.all():
+        return rows
+    return rows[torch.from_numpy(np.flatnonzero(mask)).to(rows.device)]

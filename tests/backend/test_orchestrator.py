@@ -1,0 +1,169 @@
+"""The orchestrator's threads with a real engine (smoke model) and fake Triton requests: every request
+gets exactly one FINAL response, bad input is INVALID_ARG, cancellation frees the engine, shutdown
+answers whatever is still in flight."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from lightspec_backend.client import input_array
+from lightspec_backend.metrics import MetricsReporter
+from lightspec_backend.orchestrator import Orchestrator
+from tests.fakes import FakePbUtils, FakeRequest
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+
+
+def request(**tensors) -> FakeRequest:
+    return FakeRequest({k: input_array(k, v) for k, v in tensors.items()})
+
+
+@pytest.fixture
+def engine(smoke_model):
+    e = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), num_kv_blocks=64, block_size=16))
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def served(engine):
+    pb = FakePbUtils()
+    orch = Orchestrator(
+        engine,
+        pb,
+        MetricsReporter(pb, {"model": "lightspec", "version": "1"}),
+        cancel_poll_s=0.01,
+        metrics_interval_s=0.01,
+    )
+    yield orch, pb
+    orch.shutdown(timeout_s=10)
+
+
+def finals(req: FakeRequest) -> list:
+    return [r for r, flags in req.sender.sent if flags & 1]
+
+
+def test_stream_equals_non_stream_equals_engine(served, smoke_model):
+    orch, _ = served
+    prompt = "def fib(n):"
+    stream = request(text_input=prompt, max_tokens=10, stream=True)
+    whole = request(text_input=prompt, max_tokens=10, exclude_input_in_output=True)
+    orch.submit(stream)
+    orch.submit(whole)
+    assert stream.sender.wait_final() and whole.sender.wait_final()
+    reference = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), num_kv_blocks=64))
+    (want,) = reference.generate([prompt], SamplingParams(max_tokens=10))
+    reference.close()
+    assert len(whole.sender.sent) == 1
+    assert stream.sender.text() == whole.sender.text() == want.text
+    ids = np.concatenate([d["output_ids"] for d in stream.sender.data()]).tolist()
+    assert ids == want.output_token_ids
+    assert stream.sender.data()[-1]["finish_reason"][0] == b"length"
+
+
+def test_non_streaming_text_starts_with_the_prompt_by_default(served):
+    orch, _ = served
+    r = request(text_input="x = ", max_tokens=3)
+    orch.submit(r)
+    assert r.sender.wait_final()
+    assert r.sender.text().startswith("x = ")
+
+
+def test_concurrent_requests_each_get_exactly_one_final(served):
+    orch, _ = served
+    reqs = [request(text_input=f"def f{i}(x):", max_tokens=6 + i % 4, stream=i % 2 == 0) for i in range(16)]
+    for r in reqs:
+        orch.submit(r)
+    for r in reqs:
+        assert r.sender.wait_final(60)
+    time.sleep(0.1)
+    for r in reqs:
+        assert len(finals(r)) == 1 and r.sender.sends_after_final == 0
+        assert r.sender.is_cancelled_after_final == 0
+        assert not r.sender.final.has_error()
+    assert orch.num_in_flight() == 0
+
+
+@pytest.mark.parametrize(
+    ("tensors", "fragment"),
+    [
+        ({"max_tokens": 4}, "text_input"),
+        ({"text_input": "a", "top_p": 2.0}, "top_p"),
+        ({"text_input": b"\xff"}, "invalid UTF-8"),
+        ({"text_input": "a", "max_tokens": 100_000}, "max_tokens"),
+    ],
+)
+def test_invalid_input_is_invalid_arg(served, tensors, fragment):
+    orch, pb = served
+    r = request(**tensors)
+    orch.submit(r)
+    assert r.sender.wait_final(10)
+    ((resp, flags),) = r.sender.sent
+    assert resp.error().code() == pb.TritonError.INVALID_ARG and fragment in resp.error().message()
+
+
+def test_prompt_too_long_is_invalid_arg_from_the_engine(served, engine):
+    orch, pb = served
+    r = request(input_ids=[5] * (engine.max_model_len + 1), max_tokens=1)
+    orch.submit(r)
+    assert r.sender.wait_final(10)
+    err = r.sender.final.error()
+    assert err.code() == pb.TritonError.INVALID_ARG and err.message().startswith("prompt")
+
+
+def test_cancel_frees_the_request_and_zeroes_gauges(served, engine):
+    orch, pb = served
+    r = request(text_input="def f(x):", max_tokens=900, stream=True, ignore_eos=True)
+    orch.submit(r)
+    deadline = time.time() + 30
+    while not r.sender.sent and time.time() < deadline:
+        time.sleep(0.005)
+    r.sender.cancel()
+    assert r.sender.wait_final(30)
+    last = r.sender.final.as_dict()
+    assert last["finish_reason"][0] == b"cancelled"
+    time.sleep(0.2)
+    assert not engine.has_unfinished()
+    assert pb.metric_value("lightspec:num_requests_running") == 0
+    assert pb.metric_value("lightspec:kv_cache_usage_ratio") == 0
+    assert pb.metric_value("lightspec:generation_tokens_total") > 0
+
+
+def test_step_failure_fails_in_flight_requests_and_keeps_serving(served, engine, monkeypatch):
+    orch, pb = served
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step(on_launched=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_step(on_launched)
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    first = request(text_input="a = 1", max_tokens=50, ignore_eos=True)
+    orch.submit(first)
+    assert first.sender.wait_final(30)
+    assert first.sender.final.error().code() == pb.TritonError.INTERNAL
+    second = request(text_input="b = 2", max_tokens=3)
+    orch.submit(second)
+    assert second.sender.wait_final(30) and not second.sender.final.has_error()
+
+
+def test_shutdown_answers_in_flight_requests(engine):
+    pb = FakePbUtils()
+    orch = Orchestrator(engine, pb, None, cancel_poll_s=0.01)
+    reqs = [request(text_input=f"x{i}", max_tokens=900, ignore_eos=True, stream=True) for i in range(4)]
+    for r in reqs:
+        orch.submit(r)
+    time.sleep(0.2)
+    orch.shutdown(timeout_s=30)
+    for r in reqs:
+        assert r.sender.wait_final(1)
+        assert len(finals(r)) == 1
+    late = request(text_input="late")
+    orch.submit(late)  # after finalize began: answered, not dropped
+    assert late.sender.wait_final(1)
+    assert late.sender.final.error().code() == pb.TritonError.UNAVAILABLE

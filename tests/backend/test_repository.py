@@ -1,0 +1,104 @@
+"""The generated model repository: checked-in copy up to date, valid Triton configs, stage tensors
+matching the stage dataclasses."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from lightspec_backend.params import available_cpus, parse_backend_config, read_config_parameters, stage_threads
+from lightspec_backend.repository import render_repository, stage_field_names, write_model_repository
+from lightspec_backend.tensors import INPUTS, OUTPUTS
+from tritonclient.grpc import model_config_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def test_checked_in_model_repository_is_up_to_date():
+    for name, text in render_repository().items():
+        path = ROOT / "model_repository" / name / "config.pbtxt"
+        assert path.read_text() == text, f"{path} is stale: regenerate with write_model_repository('model_repository')"
+        assert (path.parent / "1").is_dir()
+
+
+def test_orchestrator_config_is_decoupled_and_declares_the_contract():
+    cfg = parse(render_repository()["lightspec"])
+    assert cfg.backend == "lightspec" and cfg.max_batch_size == 0 and cfg.model_transaction_policy.decoupled
+    assert [i.name for i in cfg.input] == [s.name for s in INPUTS]
+    assert [o.name for o in cfg.output] == [s.name for s in OUTPUTS]
+    assert all(i.optional for i in cfg.input)
+    assert cfg.parameters["role"].string_value == "orchestrator"
+    for key in (
+        "speculation",
+        "policy",
+        "max_draft_tokens",
+        "num_kv_blocks",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "pipeline_depth",
+        "metrics",
+        "target_model",
+        "mtp_model",
+        "draft_model",
+        "model_dir",
+        "mtp_dir",
+        "draft_dir",
+    ):
+        assert key in cfg.parameters, key
+
+
+@pytest.mark.parametrize("name", ["lightspec_target", "lightspec_mtp", "lightspec_draft"])
+def test_stage_configs_are_plain_cpu_models(name):
+    cfg = parse(render_repository({"mtp_model": "lightspec_mtp"})[name])
+    assert not cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
+    assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+    assert cfg.instance_group[0].count == 1
+
+
+def test_stage_tensor_tables_match_the_stage_dataclasses():
+    for cls, (table, dataclass_fields) in stage_field_names().items():
+        assert table == dataclass_fields, cls
+
+
+def test_overrides_reach_the_stages_that_use_them(tmp_path):
+    repo = write_model_repository(
+        tmp_path,
+        {"model_dir": "/ckpt/target", "num_kv_blocks": 48, "num_threads": 1, "target_model": "big", "mtp_model": "lightspec_mtp"},
+    )
+    target = read_config_parameters(repo / "big" / "config.pbtxt")
+    assert target["role"] == "target" and target["num_kv_blocks"] == "48" and target["model_dir"] == "/ckpt/target"
+    mtp = read_config_parameters(repo / "lightspec_mtp" / "config.pbtxt")
+    assert "num_kv_blocks" not in mtp and mtp["num_threads"] == "1"
+    orch = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"))
+    assert orch.stage_models["target"] == "big" and orch.engine.num_kv_blocks == 48
+
+
+def test_parameter_values_are_quoted(tmp_path):
+    repo = write_model_repository(tmp_path, {"model_dir": 'we"ird\\path'})
+    assert read_config_parameters(repo / "lightspec" / "config.pbtxt")["model_dir"] == 'we"ird\\path'
+
+
+def test_orchestrator_runs_one_torch_thread_and_stages_leave_it_a_core():
+    """The orchestrator's own torch work is small kernels (local MTP heads, rejection sampling): it
+    defaults to one intra-op thread. A stage without ``num_threads`` takes one thread per CPU but
+    one for small calls, so the two processes do not ask for more threads than there are CPUs, and
+    every CPU for large ones (the orchestrator waits on those)."""
+    repo = render_repository()
+    assert parse(repo["lightspec"]).parameters["num_threads"].string_value == "1"
+    assert "num_threads" not in parse(repo["lightspec_target"]).parameters
+    forced = render_repository({"num_threads": "2"})
+    assert parse(forced["lightspec"]).parameters["num_threads"].string_value == "2"
+    assert parse(forced["lightspec_target"]).parameters["num_threads"].string_value == "2"
+    auto = [stage_threads(0, cpus) for cpus in (1, 2, 4, 16)]
+    assert [(t.small, t.large) for t in auto] == [(1, 1), (1, 2), (3, 4), (15, 16)]
+    assert [auto[1].for_call(n) for n in (1, 5, 63, 64, 320)] == [1, 1, 1, 2, 2]
+    fixed = stage_threads(2, 2)  # an explicit setting wins for every call, even one that oversubscribes
+    assert (fixed.for_call(1), fixed.for_call(1000)) == (2, 2)
+    assert 1 <= available_cpus() <= (os.cpu_count() or 1)

@@ -1,0 +1,370 @@
+"""LLMEngine end to end in process: lossless speculation, preemption, streaming, stops, aborts."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+from lightspec_core.engine.engine import build_local_executor
+from lightspec_core.spec.acceptance import ConfidenceStats
+from lightspec_core.corpus import stdlib_files
+
+
+def heldout_prompts(n: int, tok_lens=(12, 20, 31, 45, 60, 75, 90, 110)) -> list[str]:
+    _, valid = stdlib_files()
+    prompts = []
+    for i, path in enumerate(valid[3 : 3 + 5 * n : 5]):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        prompts.append(text[: 4 * tok_lens[i % len(tok_lens)]])
+    return prompts
+
+
+def run(root, prompts, params, **kw):
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), **kw))
+    try:
+        outs = eng.generate(prompts, params)
+        eng.blocks.check_invariants()
+        assert eng.blocks.usage() == 0.0, "blocks leaked after all requests ended"
+        return outs, eng
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def exactness_setup(default_model):
+    prompts = heldout_prompts(8)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    ref, _ = run(default_model, prompts, params, speculation="none", policy="off")
+    return default_model, prompts, params, [o.output_token_ids for o in ref]
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft", "ngram"])
+@pytest.mark.parametrize("policy", ["dynamic", "static:3"])
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("tiny_pool", [False, True], ids=["pool", "tiny-pool"])
+def test_greedy_speculation_is_lossless(exactness_setup, method, policy, depth, tiny_pool):
+    root, prompts, params, ref = exactness_setup
+    kw = dict(num_kv_blocks=40, block_size=8) if tiny_pool else {}
+    outs, eng = run(root, prompts, params, speculation=method, policy=policy, pipeline_depth=depth, **kw)
+    assert [o.output_token_ids for o in outs] == ref
+    assert all(len(o.output_token_ids) == 64 for o in outs)
+    if tiny_pool:
+        assert eng.scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
+    if policy.startswith("static"):  # (the dynamic policy may rightly decide not to draft)
+        assert sum(o.num_accepted_tokens for o in outs) > 0, "no draft was ever accepted: the test proves nothing"
+
+
+def test_streamed_deltas_concatenate_to_the_full_output(smoke_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="ngram"))
+    prompt = "naïve café — ünïcödé ✓ 日本語 " * 3
+    eng.add_request("r", prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+    text, ids, finals = "", [], 0
+    while eng.has_unfinished():
+        for d in eng.step():
+            text += d.new_text
+            ids += d.new_token_ids
+            finals += d.finished
+    assert finals == 1
+    assert text == eng.tok.decode(ids)
+    assert eng.tok.decode(eng.tok.encode(prompt)) == prompt
+
+
+def test_stop_string_truncates_inside_an_accepted_block(default_model):
+    prompt = heldout_prompts(1)[0]
+    free, _ = run(default_model, [prompt], SamplingParams(max_tokens=40, ignore_eos=True), speculation="none")
+    full = free[0].text
+    stop = full[12:15]
+    assert stop and stop in full
+    outs, _ = run(default_model, [prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]),
+                  speculation="ngram", policy="static:4")
+    o = outs[0]
+    assert o.finish_reason == "stop"
+    assert o.text == full[: full.index(stop)]
+    # no token after the one completing the stop string is emitted
+    assert o.output_token_ids == free[0].output_token_ids[: len(o.output_token_ids)]
+    assert stop not in o.text
+
+
+def test_end_id_stops_generation(smoke_model):
+    free, _ = run(smoke_model, ["def f(x):"], SamplingParams(max_tokens=20, ignore_eos=True), speculation="none")
+    ids = free[0].output_token_ids
+    end = ids[5]
+    outs, _ = run(smoke_model, ["def f(x):"], SamplingParams(max_tokens=20, ignore_eos=True, end_id=end),
+                  speculation="mtp")
+    assert outs[0].finish_reason == "stop"
+    assert outs[0].output_token_ids == ids[: ids.index(end) + 1]
+
+
+def test_abort_frees_blocks_and_ends_with_cancelled(smoke_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", pipeline_depth=2))
+    for i in range(4):
+        eng.add_request(f"r{i}", "import os\n" * (i + 1), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.abort("r1")
+    eng.abort("r3")
+    finals = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.finished:
+                finals[d.request_id] = d.finish_reason
+            if d.request_id in ("r1", "r3") and d.finished:
+                assert d.new_text == "" or isinstance(d.new_text, str)
+        if "r1" in finals and "r3" in finals:
+            eng.abort("r0")
+            eng.abort("r2")
+    assert finals == {"r0": "cancelled", "r1": "cancelled", "r2": "cancelled", "r3": "cancelled"}
+    assert eng.blocks.usage() == 0.0
+    eng.blocks.check_invariants()
+
+
+def test_bad_requests_are_rejected_with_the_field_named(smoke_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), num_kv_blocks=8, block_size=8))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request("a", list(range(3, 3 + 70)))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request("b", "")
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request("c", "x = 1", SamplingParams(max_tokens=64))
+    for field, kw in [("max_tokens", dict(max_tokens=0)), ("temperature", dict(temperature=-1.0)),
+                      ("top_p", dict(top_p=0.0)), ("top_p", dict(top_p=1.5))]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="speculation"):
+        EngineConfig(speculation="medusa")
+    with pytest.raises(ValueError, match="policy"):
+        EngineConfig(policy="static:x")
+
+
+def test_higher_priority_is_admitted_first(smoke_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), max_num_seqs=1))
+    eng.add_request("low", "a = 1", SamplingParams(max_tokens=3, priority=0))
+    eng.add_request("high", "b = 2", SamplingParams(max_tokens=3, priority=5))
+    order = []
+    while eng.has_unfinished():
+        order += [d.request_id for d in eng.step() if d.finished]
+    assert order == ["high", "low"]
+
+
+class FlakyExecutor:
+    """Wraps the local executor; the first target call fails like a crashed stage model."""
+
+    def __init__(self, inner):
+        self.inner, self.failed = inner, False
+
+    def submit(self, stage, call):
+        if stage == "target" and not self.failed:
+            self.failed = True
+            f = Future()
+            f.set_exception(RuntimeError("stage lightspec_target crashed"))
+            return f
+        return self.inner.submit(stage, call)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_stage_failure_fails_the_micro_batch_and_engine_keeps_serving(smoke_model):
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", profile_stages=False)
+    eng = LLMEngine(cfg, executor=FlakyExecutor(build_local_executor(cfg)))
+    out = eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=4))
+    assert [o.finish_reason for o in out] == ["error", "error"]
+    assert "crashed" in out[0].error
+    assert eng.blocks.usage() == 0.0
+    again = eng.generate(["x = 1"], SamplingParams(max_tokens=4))[0]
+    assert again.finish_reason == "length" and len(again.output_token_ids) == 4
+
+
+def test_dynamic_engine_profiles_its_stages_once_before_computing(smoke_model):
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", max_num_seqs=8)
+    eng = LLMEngine(cfg)
+    assert not eng.cost.calibrated
+    out = eng.generate(["x = 1"], SamplingParams(max_tokens=8))[0]
+    assert eng.cost.calibrated and eng.cost.verify.sizes.tolist() == [1, 2, 4, 8]
+    assert out.output_token_ids == LLMEngine(EngineConfig(model_dir=cfg.model_dir, speculation="none")).generate(
+        ["x = 1"], SamplingParams(max_tokens=8))[0].output_token_ids
+
+
+def test_dynamic_engine_publishes_what_its_policy_believes_a_step_costs(smoke_model):
+    """Gauges of the cost model the dynamic policy plans with: a draft's price at the current batch,
+    the target's measured excess over its profile and the step's overhead; a static engine has none."""
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", max_num_seqs=8)
+    eng = LLMEngine(cfg)
+    eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=8))
+    snap = eng.stats.snapshot()
+    # the last step ran with no request left running: the price is quoted at a batch of one
+    assert snap["policy_draft_cost_seconds"] == pytest.approx(eng.cost.per_slot(1)) and snap["policy_draft_cost_seconds"] > 0
+    assert snap["policy_step_excess_seconds"] == eng.cost.verify_extra != 0.0  # measured, not the initial 0
+    assert snap["policy_step_overhead_seconds"] == eng.cost.overhead
+    static = LLMEngine(EngineConfig(model_dir=cfg.model_dir, speculation="mtp", policy="static:2"))
+    static.generate(["x = 1"], SamplingParams(max_tokens=4))
+    assert not any(k.startswith("policy_") for k in static.stats.snapshot())
+
+
+def test_a_failed_profile_leaves_generic_costs_and_serving_intact(smoke_model):
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp")
+    eng = LLMEngine(cfg, executor=FlakyExecutor(build_local_executor(cfg)))  # fails the profile's first call
+    out = eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=4))
+    assert [o.finish_reason for o in out] == ["length", "length"]
+    assert not eng.cost.calibrated and eng.blocks.usage() == 0.0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["mtp-stage", "fused"])
+def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup, fused):
+    """With ``confidence_stop`` the dynamic policy's MTP chains stop where the heads' confidence
+    says a draft does not pay: some granted slots go unused, the confidence table learns from what
+    is verified, and greedy output is still exactly plain greedy decoding. (The policy's floors
+    depend on measured stage times; a fixed floor of 0.5 makes the stops certain here.)"""
+    root, prompts, params, ref = exactness_setup
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="dynamic",
+                                 confidence_stop=True, fused_mtp=fused))
+    policy, choose = eng.scheduler.policy, eng.scheduler.policy.choose
+    assert policy.floors_wanted  # the policy computes floors for this engine's stop
+
+    def choose_with_floor(reqs, *args, **kw):
+        ks = choose(reqs, *args, **kw)
+        policy.gain_floors = [0.5] * len(reqs) if any(ks) else []
+        return ks
+
+    policy.choose = choose_with_floor
+    try:
+        outs = eng.generate(prompts, params)
+    finally:
+        eng.close()
+    assert [o.output_token_ids for o in outs] == ref
+    assert eng.stats.counters["spec_decode_num_stopped_drafts_total"] > 0
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    if fused:  # the stop cut the target stage's drafts, with the confidences it returned
+        assert eng.stats.counters["spec_decode_num_fused_drafts_total"] == sum(o.num_draft_tokens for o in outs)
+        learned = eng.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()
+        assert learned[0, :, 1:].any(), "only the zero-confidence bucket learned: no confidences came back"
+    assert (eng.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()).any()
+    outs, eng = run(root, prompts, params, speculation="mtp", policy="dynamic")  # the default: off
+    assert [o.output_token_ids for o in outs] == ref
+    assert eng.confidence is None and eng.stats.counters["spec_decode_num_stopped_drafts_total"] == 0
+    assert not eng.scheduler.policy.floors_wanted
+
+
+def test_on_launched_runs_once_per_step_between_launch_and_completion(smoke_model):
+    """The server sends a step's responses from ``on_launched`` of the next step: it must come once
+    per ``step()``, after the next micro-batch is submitted and before the engine waits for it."""
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), num_kv_blocks=64, block_size=16))
+    seen = []
+    eng.add_request("a", "def f(x):", SamplingParams(max_tokens=6, ignore_eos=True))
+    try:
+        steps = 0
+        while eng.has_unfinished():
+            eng.step(on_launched=lambda: seen.append(len(eng._inflight)))
+            steps += 1
+    finally:
+        eng.close()
+    assert len(seen) == steps and steps >= 2
+    assert seen == [1] * steps  # the step's micro-batch was in flight when the callback ran
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("tiny_pool", [False, True], ids=["pool", "tiny-pool"])
+def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_setup, depth, tiny_pool):
+    """With ``fused_mtp`` the target stage proposes greedy requests' drafts along with each step:
+    output is still plain greedy decoding (with preemption and recompute too), the ``mtp`` stage is
+    never called for greedy requests, and every draft came fused. Sampled requests still draft on
+    the ``mtp`` stage, and their outputs are those of the unfused engine (same draws)."""
+    root, prompts, params, ref = exactness_setup
+    kw = dict(num_kv_blocks=40, block_size=8) if tiny_pool else {}
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="static:3",
+                                 pipeline_depth=depth, fused_mtp=True, **kw))
+    calls = []
+    submit = eng.executor.submit
+    eng.executor.submit = lambda stage, call: (calls.append(stage) if stage == "mtp" else None) or submit(stage, call)
+    try:
+        outs = eng.generate(prompts, params)
+        assert [o.output_token_ids for o in outs] == ref
+        assert calls == [], "a greedy request drafted on the mtp stage"
+        drafts = sum(o.num_draft_tokens for o in outs)
+        assert drafts > 0 and eng.stats.counters["spec_decode_num_fused_drafts_total"] == drafts
+        if tiny_pool:
+            assert eng.scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
+        mixed = [SamplingParams(max_tokens=24, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+                 for i in range(4)]
+        fused_out = eng.generate(prompts[:4], mixed)
+        assert calls, "sampled requests draft on the mtp stage"
+    finally:
+        eng.close()
+    plain, _ = run(root, prompts[:4], mixed, speculation="mtp", policy="static:3", pipeline_depth=depth, **kw)
+    assert [o.output_token_ids for o in fused_out] == [o.output_token_ids for o in plain]
+
+
+class LateAnswerExecutor:
+    """Delivers each target answer ``delay`` seconds after the stage stamped it (``t_done``): what a
+    thread that keeps the interpreter after the answer arrives does to a done-callback's stamp."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+        self.durations = []  # each target call's own time, submit to stamp
+
+    def submit(self, stage, call):
+        import threading
+        import time
+
+        t0 = time.perf_counter()
+        inner = self.inner.submit(stage, call)
+        if stage != "target":
+            return inner
+        self.durations.append(getattr(inner, "t_done", time.perf_counter()) - t0)
+        outer: Future = Future()
+
+        def deliver():
+            time.sleep(self.delay)
+            if hasattr(inner, "t_done"):  # an executor without stamps: the engine stamps on delivery
+                outer.t_done = inner.t_done
+            outer.set_result(inner.result())
+
+        threading.Thread(target=deliver, daemon=True).start()
+        return outer
+
+    def close(self):
+        self.inner.close()
+
+
+def test_target_latency_is_when_the_stage_answered_not_when_the_engine_noticed(smoke_model):
+    """The target stage's latency (its metric and the policy's cost model) ends at the future's
+    ``t_done``, stamped where the stage answered, not when the engine's thread got to look."""
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="none", profile_stages=False)
+    late = LateAnswerExecutor(build_local_executor(cfg), delay=0.2)
+    eng = LLMEngine(cfg, executor=late)
+    out = eng.generate(["x = 1"], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    eng.close()
+    assert len(out.output_token_ids) == 3
+    seen = [v for name, v, labels in eng.stats.drain_observations()
+            if name == "stage_latency_seconds" and labels == {"stage": "target"}]
+    assert len(seen) == len(late.durations) == 3
+    for latency, own in zip(seen, late.durations):  # each answer reached the engine 200 ms after its stamp
+        assert own <= latency < own + 0.1
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_local_stage_futures_carry_the_time_the_stage_answered(threaded):
+    import time
+
+    from lightspec_core.stages.executor import LocalExecutor
+
+    class Runner:
+        def execute(self, call):
+            time.sleep(0.01)
+            if call == "fail":
+                raise ValueError("bad call")
+            self.end = time.perf_counter()
+            return call
+
+    runner = Runner()
+    ex = LocalExecutor({"s": runner}, threaded=threaded)
+    fut = ex.submit("s", "ok")
+    assert fut.result() == "ok"
+    assert runner.end <= fut.t_done <= time.perf_counter()
+    bad = ex.submit("s", "fail")
+    with pytest.raises(ValueError, match="bad call"):
+        bad.result()
+    assert bad.t_done <= time.perf_counter()
+    ex.close()

@@ -1,0 +1,75 @@
+"""Verification: greedy prefix acceptance and distribution-preserving rejection sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from lightspec_core.spec.sampling import probs_from_logits, sample_with_uniforms
+from lightspec_core.spec.verify import verify_greedy, verify_rejection
+
+
+def test_greedy_accepts_matching_prefix_then_target_token():
+    assert verify_greedy([5, 7, 9], [5, 7, 8, 1]) == [5, 7, 8]
+    assert verify_greedy([5, 7], [5, 7, 3]) == [5, 7, 3]  # all accepted + bonus
+    assert verify_greedy([4], [6, 2]) == [6]
+    assert verify_greedy([], [3]) == [3]
+
+
+def _first_token_counts(p, q, n, seed, point_mass=False):
+    rng = np.random.default_rng(seed)
+    v = len(p)
+    counts = np.zeros(v)
+    for _ in range(n):
+        if point_mass:
+            draft = [int(np.argmax(q))]
+            qarr = None
+        else:
+            draft = [int(rng.choice(v, p=q))]
+            qarr = q[None]
+        out = verify_rejection(draft, qarr, np.stack([p, p]), rng)
+        counts[out[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_rejection_sampling_keeps_target_distribution(point_mass):
+    p = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = np.array([0.1, 0.1, 0.2, 0.3, 0.3])  # a bad proposer
+    n = 20000
+    counts = _first_token_counts(p, q, n, seed=0, point_mass=point_mass)
+    assert chisquare(counts, p * n).pvalue > 1e-3
+
+
+def test_chi_square_detects_a_biased_verifier():
+    # negative control: emitting the draft unconditionally yields q, and the test must see it
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = np.array([0.1, 0.1, 0.2, 0.3, 0.3])
+    counts = np.bincount(rng.choice(5, size=20000, p=q), minlength=5)
+    assert chisquare(counts, p * 20000).pvalue < 1e-6
+
+
+def test_processed_distribution_applies_temperature_top_k_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]] * 4)
+    temp = torch.tensor([1.0, 0.5, 1.0, 0.0])
+    top_k = torch.tensor([0, 0, 2, 0])
+    top_p = torch.tensor([0.7, 1.0, 1.0, 1.0])
+    probs = probs_from_logits(logits, temp, top_k, top_p)
+    full = torch.softmax(logits[0], -1)
+    # top-p 0.7: smallest prefix reaching 0.7 mass is tokens {0, 1}
+    assert full[0] < 0.7 <= full[0] + full[1]
+    torch.testing.assert_close(probs[0], torch.cat([full[:2] / full[:2].sum(), torch.zeros(3)]))
+    torch.testing.assert_close(probs[1], torch.softmax(logits[1] / 0.5, -1))
+    assert (probs[2][2:] == 0).all() and abs(float(probs[2].sum()) - 1) < 1e-6
+    assert probs[3].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_inverse_cdf_sampling_follows_probs():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).repeat(20000, 1)
+    u = torch.from_numpy(np.random.default_rng(3).random(20000).astype(np.float32))
+    counts = np.bincount(sample_with_uniforms(probs, u).numpy(), minlength=4)
+    assert counts[1] == 0
+    assert chisquare(counts[[0, 2, 3]], np.array([0.1, 0.6, 0.3]) * 20000).pvalue > 1e-3

@@ -1,0 +1,105 @@
+"""In-process engine throughput: speculation configurations side by side, without a server.
+
+    python -m lightspec_core.bench_engine [--device cuda] [--batches 1 16 64] [--configs none static:4 dynamic]
+
+Each batch size runs B held-out code prompts together (greedy, ``--max-tokens`` each, all
+configurations on the same prompts, in rounds so that drift hits every configuration alike) and
+prints output tokens/s with the ratio against ``none`` at the same batch, and whether the greedy
+outputs equal ``none``'s (they must: speculation is lossless). This is the engine and its stage
+runners alone (no Triton, no BLS): the number to compare a device against, not a serving number;
+``lightspec bench`` measures through the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from lightspec_core.config import EngineConfig, SamplingParams
+from lightspec_core.engine.engine import LLMEngine
+from lightspec_core.stages.memory import keep_freed_memory
+from lightspec_core.corpus import stdlib_files
+
+
+def code_prompts(n: int, chars: int = 400) -> list[str]:
+    """``n`` windows of ``chars`` characters from the held-out standard-library files (the training
+    split never saw them): each file's first window, then each file's second, and so on."""
+    _, valid = stdlib_files()
+    texts = [t for p in valid if len(t := p.read_text(encoding="utf-8", errors="replace")) >= chars]
+    if not texts:
+        raise RuntimeError(f"no held-out standard-library file of at least {chars} characters")
+    out = []
+    for w in range(max(len(t) for t in texts) // chars):
+        out += [t[w * chars : (w + 1) * chars] for t in texts if len(t) >= (w + 1) * chars]
+        if len(out) >= n:
+            return out[:n]
+    raise RuntimeError(f"only {len(out)} held-out windows of {chars} characters")
+
+
+def engine_for(config: str, device: str, model_dir: str | None) -> LLMEngine:
+    spec, policy = ("none", "off") if config == "none" else ("mtp", config)
+    return LLMEngine(EngineConfig(model_dir=model_dir, speculation=spec, policy=policy, device=device))
+
+
+def run(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """(seconds, greedy output ids) of one batch run to completion."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return time.perf_counter() - t0, [o.output_token_ids for o in outs]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model-dir", default=None, help="target checkpoint (default: the embedded model)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--configs", nargs="+", default=["none", "static:1", "static:2", "static:4", "dynamic"])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args(argv)
+    keep_freed_memory()  # as the server's stage processes do
+    if "none" not in a.configs:
+        a.configs = ["none", *a.configs]
+    engines = {c: engine_for(c, a.device, a.model_dir) for c in a.configs}
+    windows = code_prompts(max(a.batches))  # the held-out files are read once
+    rows = []
+    try:
+        for b in a.batches:
+            prompts = windows[:b]
+            for eng in engines.values():  # warm-up: allocator, kernels, the dynamic policy's profile
+                eng.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+            times: dict[str, list[float]] = {c: [] for c in a.configs}
+            outputs: dict[str, list[list[int]]] = {}
+            for _ in range(a.rounds):
+                for c, eng in engines.items():
+                    dt, ids = run(eng, prompts, a.max_tokens)
+                    times[c].append(dt)
+                    outputs[c] = ids
+            median = {c: statistics.median_high(ts) for c, ts in times.items()}
+            for c in a.configs:
+                dt = median[c]
+                rows.append({
+                    "device": a.device, "batch": b, "config": c, "tokens": b * a.max_tokens, "seconds": dt,
+                    "throughput_tok_s": b * a.max_tokens / dt,
+                    "ratio_vs_none": median["none"] / dt,
+                    "outputs_equal_none": outputs[c] == outputs["none"],
+                })
+    finally:
+        for eng in engines.values():
+            eng.close()
+    print("| device | batch | config | tok/s | x none | outputs = none |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['device']} | {r['batch']} | {r['config']} | {r['throughput_tok_s']:.0f} | "
+              f"{r['ratio_vs_none']:.2f}x | {'yes' if r['outputs_equal_none'] else 'NO'} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Step cost of the target runner: B requests x q new tokens each (decode q=1, verify q=1+k).
+
+    python -m lightspec_core.bench_runner [--model-dir DIR] [--batches 1 8 32 64] [--tokens 1 5]
+
+Each request has ``--context`` tokens already in the paged KV pool; the step feeds q tokens per
+request and returns outputs at all of them (as a verification step does). Prints the median of
+``--repeats`` runs, and the ratio of the q-token step to the 1-token step at the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from lightspec_core.engine.engine import default_model_dir
+from lightspec_core.stages.memory import keep_freed_memory
+from lightspec_core.stages.contract import ModelCall
+from lightspec_core.stages.target import ModelRunner
+
+
+def step_call(batch: int, q: int, context: int, block_size: int, vocab: int, rng) -> ModelCall:
+    per = -(-(context + q) // block_size)
+    tables = np.arange(batch * per, dtype=np.int32).reshape(batch, per)
+    return ModelCall(
+        input_ids=rng.integers(3, vocab, batch * q).astype(np.int64),
+        positions=np.tile(np.arange(context, context + q), batch).astype(np.int64),
+        query_lens=np.full(batch, q, np.int32),
+        block_tables=tables,
+        sample_indices=np.arange(batch * q, dtype=np.int64),
+        return_logits=np.array([False]),
+        return_hidden=np.array([True]),
+    )
+
+
+def measure(model_dir: str, batches, tokens, context=128, repeats=15, block_size=16) -> dict:
+    max_b = max(batches)
+    runner = ModelRunner(model_dir, num_blocks=max_b * (-(-(context + max(tokens)) // block_size)), block_size=block_size)
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in batches:
+        for q in tokens:
+            call = step_call(b, q, context, block_size, runner.config.vocab_size, rng)
+            runner.execute(call)  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.execute(call)
+                times.append(time.perf_counter() - t0)
+            out[(b, q)] = float(np.median(times))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", default=default_model_dir())
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=15)
+    a = ap.parse_args(argv)
+    keep_freed_memory()  # as the server's stage processes do
+    res = measure(a.model_dir, a.batches, a.tokens, a.context, a.repeats)
+    q0 = a.tokens[0]
+    print("| batch | " + " | ".join(f"{q} tok/req (ms)" for q in a.tokens) + f" | ratio {a.tokens[-1]}/{q0} |")
+    print("|---|" + "---|" * (len(a.tokens) + 1))
+    for b in a.batches:
+        cells = " | ".join(f"{res[(b, q)] * 1e3:.2f}" for q in a.tokens)
+        print(f"| {b} | {cells} | {res[(b, a.tokens[-1])] / res[(b, q0)]:.2f} |")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,464 @@
+"""Train the embedded default model family from the running interpreter's standard library.
+
+    python tools/train_default.py --out lightspec_core/default_model        # full run (~60 min, 2 cores)
+    python tools/train_default.py --out /tmp/m --smoke                      # seconds; used by the tests
+    python tools/train_default.py --out OUT --heads-from DIR --mtp-minutes 40   # more MTP head training only
+    python tools/train_default.py --out OUT --heads-from DIR --greedy-data 1024  # ... half on the target's own continuations
+
+Produces ``OUT/target`` (Llama checkpoint, HF layout + tokenizer.json), ``OUT/mtp`` (K MTP heads trained
+with the target frozen, distilled from the target's own next-token distributions, which is what
+verification accepts against, plus ``draft_vocab.json``, the 1024 most frequent training token ids
+the heads propose from), ``OUT/draft`` (a 1-layer Llama with the same tokenizer) and
+``OUT/train_report.json`` (sizes, times, held-out loss and per-head greedy acceptance).
+
+Data: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` except ``site-packages``; files with a
+path component named ``test`` are held out for validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lightspec_core.corpus import stdlib_files
+from lightspec_core.models.llama import LlamaConfig, LlamaModel, num_params
+from lightspec_core.models.mtp_heads import MTPConfig, MTPHeads
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+
+
+def frequent_tokens(ids: torch.Tensor, vocab_size: int, n: int) -> list[int]:
+    """The ``n`` most frequent token ids of a corpus (ties: lower id first)."""
+    counts = torch.bincount(ids.to(torch.int64).flatten(), minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+    return sorted(order[:n])
+
+
+def cosine_lr(step_frac: float, peak: float, warmup_frac: float = 0.03) -> float:
+    if step_frac < warmup_frac:
+        return peak * step_frac / warmup_frac
+    p = min(1.0, (step_frac - warmup_frac) / (1 - warmup_frac))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def read_texts(paths: list[Path]) -> list[str]:
+    out = []
+    for p in paths:
+        try:
+            out.append(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return out
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def encode_corpus(tok, texts: list[str]) -> torch.Tensor:
+    eos = tok.token_to_id("</s>")
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        yield torch.stack([data[s : s + seq + 1] for s in starts]).long()
+
+
+def train_lm(model: LlamaModel, data, batch, seq, minutes, lr, max_steps, log, seed):
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    t0, step, it = time.time(), 0, batches(data, batch, seq, gen)
+    model.train()
+    while True:
+        frac = max((time.time() - t0) / (minutes * 60), step / max_steps)
+        if frac >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(frac, lr)
+        x = next(it)
+        hid = model.forward_train(x[:, :-1])
+        loss = F.cross_entropy(model.lm_head(hid).flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            log(f"  step {step} loss {loss.item():.3f} frac {frac:.2f} {time.time() - t0:.0f}s")
+    model.eval()
+    return step, time.time() - t0
+
+
+def mtp_chain_logits(mtp: MTPHeads, target: LlamaModel, hid: torch.Tensor, ids: torch.Tensor):
+    """Teacher-forced MTP chain on a training window.
+
+    hid [B, T, H] target hidden at positions 0..T-1; ids [B, T] the window's tokens.
+    Head i (1-based) at position t sees the state chain and the embedding of token t+i and
+    predicts the target's distribution at position t+i, i.e. token t+i+1.
+    Returns a list of K logits tensors, head i's of shape [B, T-i, V].
+    """
+    emb = target.model.embed_tokens
+    out = []
+    state = hid
+    for i, head in enumerate(mtp.heads, start=1):
+        state = state[:, :-1]
+        state, normed = head(state, emb(ids[:, i:]))
+        out.append(target.lm_head(normed))
+    return out
+
+
+def train_mtp(mtp, target, data, batch, seq, minutes, lr, max_steps, log, seed, generated=None, share=0.5):
+    """``generated`` (optional, [n, seq] windows from :func:`greedy_windows`): that share of every
+    batch is drawn from them instead of the text."""
+    for p in target.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(mtp.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    t0, step, it = time.time(), 0, batches(data, batch, seq, gen)
+    mtp.train()
+    while True:
+        frac = max((time.time() - t0) / (minutes * 60), step / max_steps)
+        if frac >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(frac, lr)
+        x = next(it)[:, :-1]
+        if generated is not None and (n_gen := round(batch * share)):
+            rows = torch.randint(0, len(generated), (n_gen,), generator=gen)
+            x = torch.cat([x[n_gen:], generated[rows, :seq]])
+        with torch.no_grad():
+            hid = target.forward_train(x)
+            tgt_logp = F.log_softmax(target.lm_head(hid), -1)
+        loss = 0.0
+        for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, x), start=1):
+            teacher = tgt_logp[:, i:].exp()
+            loss = loss - (teacher * F.log_softmax(lg, -1)).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            log(f"  mtp step {step} loss {loss.item():.3f} frac {frac:.2f} {time.time() - t0:.0f}s")
+    mtp.eval()
+    return step, time.time() - t0
+
+
+@torch.no_grad()
+def evaluate(target, mtp, draft, valid, seq, n_batches, seed):
+    """Held-out loss of target and draft; per-head greedy acceptance: head i's top-1 equals the
+    target's greedy token at the same position (teacher forced on held-out text)."""
+    gen = torch.Generator().manual_seed(seed)
+    it = batches(valid, 8, seq, gen)
+    tl = dl = 0.0
+    agree = [0.0] * mtp.config.num_heads
+    draft_agree = 0.0
+    for _ in range(n_batches):
+        x = next(it)
+        inp, lab = x[:, :-1], x[:, 1:]
+        hid = target.forward_train(inp)
+        tlog = target.lm_head(hid)
+        tl += F.cross_entropy(tlog.flatten(0, 1), lab.flatten()).item()
+        dlog = draft.lm_head(draft.forward_train(inp))
+        dl += F.cross_entropy(dlog.flatten(0, 1), lab.flatten()).item()
+        greedy = tlog.argmax(-1)
+        draft_agree += (dlog.argmax(-1) == greedy).float().mean().item()
+        for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, inp), start=1):
+            agree[i - 1] += (lg.argmax(-1) == greedy[:, i:]).float().mean().item()
+    return {
+        "target_val_loss": round(tl / n_batches, 4),
+        "draft_val_loss": round(dl / n_batches, 4),
+        "draft_greedy_agreement": round(draft_agree / n_batches, 4),
+        "mtp_head_greedy_acceptance": [round(a / n_batches, 4) for a in agree],
+    }
+
+
+def greedy_windows(model_dir: Path, data: torch.Tensor, n: int, prompt_len: int, gen_len: int, seed: int) -> torch.Tensor:
+    """``n`` windows [n, prompt_len + gen_len]: ``prompt_len`` tokens of ``data`` from random places,
+    then the target's greedy continuation of them, generated by the engine without speculation.
+
+    This is what the heads see when serving: the hidden states of the target's own continuations
+    and, as the tokens their chain is conditioned on, its greedy tokens, not the text's. A small
+    model's greedy continuations are far more repetitive than the text it learned from."""
+    from lightspec_core.config import EngineConfig, SamplingParams
+    from lightspec_core.engine.engine import LLMEngine
+
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - prompt_len, (n,), generator=gen).tolist()
+    prompts = [data[s : s + prompt_len].tolist() for s in starts]
+    blocks = 64 * -(-(prompt_len + gen_len) // 16)
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), speculation="none", policy="off", max_num_seqs=64,
+                                    num_kv_blocks=blocks, block_size=16, profile_stages=False))
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=gen_len, ignore_eos=True))
+    finally:
+        engine.close()
+    return torch.tensor([p + o.output_token_ids for p, o in zip(prompts, outs)], dtype=torch.int64)
+
+
+@torch.no_grad()
+def chain_acceptance(target: LlamaModel, mtp: MTPHeads, windows: torch.Tensor, gen_start: int) -> dict:
+    """The heads on the target's greedy continuations (``windows`` from :func:`greedy_windows`;
+    ``gen_start`` = their prompt length), as greedy speculation uses them: from each position t of a
+    continuation, head i's top-1 (over the draft vocabulary, if any) against the target's greedy
+    token t+i+1, the chain conditioned on the target's tokens. Returns each head's agreement and
+    ``mtp_chain_accepted``: the mean number of leading heads that agree, the drafts a step accepts
+    with all K heads drafting."""
+    k = mtp.config.num_heads
+    vocab = torch.tensor(mtp.draft_vocab) if mtp.draft_vocab else None
+    agree = torch.zeros(k)
+    chain = 0.0
+    count = 0
+    first = gen_start - 1  # t: the hidden state before the first generated token
+    t_end = windows.shape[1] - 1 - k  # positions t in [first, t_end) for every head alike
+    for rows in windows.split(16):
+        hid = target.forward_train(rows)
+        ok = None
+        for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, rows), start=1):
+            lg = lg[:, first:t_end]  # lg[:, t] predicts token t+i+1
+            pick = lg.argmax(-1) if vocab is None else vocab[lg[..., vocab].argmax(-1)]
+            hit = pick == rows[:, first + i + 1 : t_end + i + 1]
+            agree[i - 1] += hit.float().sum()
+            ok = hit if ok is None else ok & hit
+            chain += ok.float().sum().item()
+        count += ok.numel()
+    return {"mtp_head_greedy_continuation_agreement": [round(float(a) / count, 4) for a in agree],
+            "mtp_chain_accepted": round(chain / count, 4)}
+
+
+def write_tokenizer(tok, d: Path) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+             "pad_token": "<pad>", "model_max_length": 1024},
+            indent=2,
+        )
+        + "\n"
+    )
+    (d / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2) + "\n"
+    )
+
+
+PRESETS = {
+    "full": dict(
+        vocab=4096,
+        target=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=4),
+        draft=dict(hidden_size=128, intermediate_size=352, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2),
+        mtp_inter=512, seq=256, batch=32, target_min=40.0, mtp_min=12.0, draft_min=6.0,
+        steps=10**9, max_files=None, eval_batches=20, draft_vocab=1024,
+    ),
+    "smoke": dict(
+        vocab=512,
+        target=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2),
+        draft=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1),
+        mtp_inter=64, seq=64, batch=4, target_min=1.0, mtp_min=0.5, draft_min=0.5,
+        steps=20, max_files=60, eval_batches=2, draft_vocab=256,
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps (for tests)")
+    ap.add_argument("--target-minutes", type=float)
+    ap.add_argument("--mtp-minutes", type=float)
+    ap.add_argument("--draft-minutes", type=float)
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-vocab", type=int, help="MTP draft vocabulary: most frequent ids (0: all; default 1024)")
+    ap.add_argument("--heads-from", type=Path, metavar="DIR",
+                    help="keep DIR's target, tokenizer, draft model and draft vocabulary; continue training its "
+                         "MTP heads for --mtp-minutes and write the family to --out")
+    ap.add_argument("--mtp-lr", type=float, help="peak learning rate of the heads (default 2e-3, 1e-3 with --heads-from)")
+    ap.add_argument("--greedy-data", type=int, default=0, metavar="N",
+                    help="with --heads-from: generate N greedy continuations of training text with the target "
+                         "(half a window of prompt, half of continuation) and draw --greedy-share of every batch "
+                         "from them; 0: text only")
+    ap.add_argument("--greedy-share", type=float, default=0.5, help="share of each batch from --greedy-data (default 0.5)")
+    a = ap.parse_args(argv)
+    if a.greedy_data and a.heads_from is None:
+        ap.error("--greedy-data: only with --heads-from (the continuations come from a trained target)")
+    if a.greedy_data < 0:
+        ap.error(f"--greedy-data {a.greedy_data}: must be >= 0")
+    pr = dict(PRESETS["smoke" if a.smoke else "full"])
+    if a.draft_vocab is not None:
+        pr["draft_vocab"] = a.draft_vocab
+    for key, name in (("target_min", "target_minutes"), ("mtp_min", "mtp_minutes"), ("draft_min", "draft_minutes")):
+        if getattr(a, name) is not None:
+            pr[key] = getattr(a, name)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    random.seed(a.seed)
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    if a.heads_from is not None:
+        return continue_heads(a, pr, log, t_start)
+
+    train_files, valid_files = corpus_files(pr["max_files"])
+    train_texts, valid_texts = read_texts(train_files), read_texts(valid_files)
+    log(f"{len(train_texts)} train files, {len(valid_texts)} held-out files")
+    tok = train_tokenizer(train_texts, pr["vocab"])
+    train_data, valid_data = encode_corpus(tok, train_texts), encode_corpus(tok, valid_texts)
+    log(f"tokenizer vocab {tok.get_vocab_size()}; {len(train_data)} train / {len(valid_data)} held-out tokens")
+
+    vocab = tok.get_vocab_size()
+    tcfg = LlamaConfig(vocab_size=vocab, **pr["target"])
+    target = LlamaModel(tcfg)
+    log(f"target: {num_params(target)} params")
+    t_steps, t_time = train_lm(target, train_data, pr["batch"], pr["seq"], pr["target_min"], 2e-3, pr["steps"], log, a.seed)
+
+    mtp = MTPHeads(MTPConfig(num_heads=a.num_heads, hidden_size=tcfg.hidden_size, intermediate_size=pr["mtp_inter"]))
+    log(f"mtp heads: {num_params(mtp)} params")
+    m_steps, m_time = train_mtp(mtp, target, train_data, pr["batch"] // 2, pr["seq"], pr["mtp_min"], a.mtp_lr or 2e-3,
+                                pr["steps"], log, a.seed + 1)
+    if 0 < pr["draft_vocab"] < vocab:
+        mtp.draft_vocab = frequent_tokens(train_data, vocab, pr["draft_vocab"])
+
+    dcfg = LlamaConfig(vocab_size=vocab, **pr["draft"])
+    draft = LlamaModel(dcfg)
+    log(f"draft: {num_params(draft)} params")
+    d_steps, d_time = train_lm(draft, train_data, pr["batch"], pr["seq"], pr["draft_min"], 3e-3, pr["steps"], log, a.seed + 2)
+
+    out: Path = a.out
+    if out.exists():
+        shutil.rmtree(out)
+    target.save(out / "target")
+    write_tokenizer(tok, out / "target")
+    mtp.save(out / "mtp")
+    draft.save(out / "draft")
+    write_tokenizer(tok, out / "draft")
+
+    report = {
+        "python": sysconfig.get_python_version(),
+        "train_files": len(train_texts),
+        "heldout_files": len(valid_texts),
+        "train_tokens": len(train_data),
+        "heldout_tokens": len(valid_data),
+        "vocab_size": vocab,
+        "target_params": num_params(target),
+        "mtp_params": num_params(mtp),
+        "draft_params": num_params(draft),
+        "target_steps": t_steps,
+        "mtp_steps": m_steps,
+        "draft_steps": d_steps,
+        "train_seconds": {"target": round(t_time), "mtp": round(m_time), "draft": round(d_time)},
+        "seq_len": pr["seq"],
+        "batch": pr["batch"],
+    }
+    report.update(evaluate(target, mtp, draft, valid_data, pr["seq"], pr["eval_batches"], a.seed + 3))
+    report["total_seconds"] = round(time.time() - t_start)
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(json.dumps(report))
+    return report
+
+
+def corpus_files(max_files: int | None):
+    """The training and held-out standard-library files, the first ``max_files`` (half as many held out)."""
+    train_files, valid_files = stdlib_files()
+    if max_files:
+        train_files, valid_files = train_files[:max_files], valid_files[: max_files // 2]
+    return train_files, valid_files
+
+
+def load_corpus(tok_dir: Path, max_files: int | None):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    train_files, valid_files = corpus_files(max_files)
+    return encode_corpus(tok, read_texts(train_files)), encode_corpus(tok, read_texts(valid_files))
+
+
+def continue_heads(a, pr: dict, log, t_start: float) -> dict:
+    """Further MTP head training on a finished family: the target, tokenizer, draft model and draft
+    vocabulary stay as they are (so earlier measurements of them still hold); the heads start from
+    DIR's weights. The report keeps DIR's fields and adds the heads' agreement before and after."""
+    src: Path = a.heads_from
+    train_data, valid_data = load_corpus(src / "target", pr["max_files"])
+    target, draft, mtp = LlamaModel.load(src / "target"), LlamaModel.load(src / "draft"), MTPHeads.load(src / "mtp")
+    report = json.loads((src / "train_report.json").read_text()) if (src / "train_report.json").exists() else {}
+    if not 0.0 <= a.greedy_share <= 1.0:
+        raise SystemExit(f"--greedy-share {a.greedy_share}: must be in [0, 1]")
+    seq, half = pr["seq"], pr["seq"] // 2
+    # held-out continuations to judge the heads on, as serving uses them (before and after alike)
+    valid_gen = greedy_windows(src / "target", valid_data, pr["eval_batches"] * 4, half, half, a.seed + 5)
+    before = evaluate(target, mtp, draft, valid_data, seq, pr["eval_batches"], a.seed + 3)
+    before.update(chain_acceptance(target, mtp, valid_gen, half))
+    log(f"heads before: {before['mtp_head_greedy_acceptance']}, chain on continuations {before['mtp_chain_accepted']}")
+    generated = None
+    if a.greedy_data:
+        t0 = time.time()
+        generated = greedy_windows(src / "target", train_data, a.greedy_data, half, half, a.seed + 7)
+        log(f"{len(generated)} greedy continuations of training text in {time.time() - t0:.0f}s")
+    steps, secs = train_mtp(mtp, target, train_data, pr["batch"] // 2, seq, pr["mtp_min"], a.mtp_lr or 1e-3,
+                            pr["steps"], log, a.seed + 11, generated, a.greedy_share)
+    after = evaluate(target, mtp, draft, valid_data, seq, pr["eval_batches"], a.seed + 3)
+    after.update(chain_acceptance(target, mtp, valid_gen, half))
+    log(f"heads after: {after['mtp_head_greedy_acceptance']}, chain on continuations {after['mtp_chain_accepted']}")
+    out: Path = a.out
+    if out.resolve() != src.resolve():
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(src, out)
+    mtp.save(out / "mtp")
+    if "mtp_continued" in report:  # an earlier continuation: keep its record
+        earlier = dict(report.pop("mtp_continued"))
+        earlier["mtp_head_greedy_acceptance_before"] = report.pop("mtp_head_greedy_acceptance_before_continued", None)
+        report.setdefault("mtp_continued_earlier", []).append(earlier)
+    report["mtp_head_greedy_acceptance_before_continued"] = before["mtp_head_greedy_acceptance"]
+    report["mtp_head_greedy_acceptance"] = after["mtp_head_greedy_acceptance"]
+    report["mtp_continued"] = {
+        "steps": steps, "seconds": round(secs), "peak_lr": a.mtp_lr or 1e-3,
+        "greedy_continuations": a.greedy_data, "greedy_share": a.greedy_share if a.greedy_data else 0.0,
+        "heldout_continuations": len(valid_gen),
+        "before": {k: before[k] for k in ("mtp_head_greedy_continuation_agreement", "mtp_chain_accepted")},
+        "after": {k: after[k] for k in ("mtp_head_greedy_continuation_agreement", "mtp_chain_accepted")},
+    }
+    report["mtp_steps"] = report.get("mtp_steps", 0) + steps
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
