@@ -11,11 +11,15 @@ returned (BLS inside ``initialize``/``finalize`` is not allowed), including BOOL
 
 from __future__ import annotations
 
+import json
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
 
 import numpy as np
 
+from lightspec_core.spec.calibrate import ProfileSpec
+from lightspec_core.spec.cost import ProposeCost, VerifyCost
 from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
 from lightspec_core.stages.executor import submit_timed
 
@@ -26,13 +30,19 @@ class StageError(RuntimeError):
     """A stage model answered with an error or without an expected output."""
 
 
+# What Triton answers a BLS request for a model that has not finished loading.
+_NOT_LOADED = ("unknown model", "not found", "not ready", "no available version", "unavailable")
+
+
 class BLSExecutor:
-    def __init__(self, stage_models: dict[str, str], pb_utils, timeout_us: int = 0):
+    def __init__(self, stage_models: dict[str, str], pb_utils, timeout_us: int = 0, load_wait_s: float = 600.0):
         """``stage_models``: engine stage name -> Triton model name. ``pb_utils`` is the
-        ``triton_python_backend_utils`` module (passed in so tests can script the stages)."""
+        ``triton_python_backend_utils`` module (passed in so tests can script the stages).
+        ``load_wait_s``: how long a profile request waits for a stage model that is still loading."""
         self.stage_models = dict(stage_models)
         self.pb = pb_utils
         self.timeout_us = timeout_us
+        self.load_wait_s = load_wait_s
         self._pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"bls-{s}") for s in self.stage_models}
 
     def submit(self, stage: str, call) -> Future:
@@ -42,12 +52,34 @@ class BLSExecutor:
             raise TypeError(f"stage {stage!r}: cannot send a {type(call).__name__}")
         return submit_timed(self._pools[stage], self.call, self.stage_models[stage], call)
 
+    def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
+        """The stage model's cost profile (it took it while loading, see ``StageModel``). Stage
+        models load beside the orchestrator, so a request that finds one not loaded yet is retried."""
+        if stage not in self.stage_models:
+            raise ValueError(f"stage {stage!r}: no stage model configured (known: {sorted(self.stage_models)})")
+        model = self.stage_models[stage]
+        request = np.array([spec.to_json().encode()], dtype=object)
+        deadline = time.monotonic() + self.load_wait_s
+        while True:
+            try:
+                out = self._exec(model, [self.pb.Tensor("profile_spec", request)], ["profile"])["profile"]
+                break
+            except StageError as e:
+                if time.monotonic() > deadline or not any(s in str(e).lower() for s in _NOT_LOADED):
+                    raise
+                time.sleep(0.2)
+        raw = out.reshape(-1)[0]
+        d = json.loads(raw.decode() if isinstance(raw, bytes) else str(raw))
+        return VerifyCost.from_dict(d) if stage == "target" else ProposeCost(**d)
+
     def call(self, model: str, call):
         """Blocking BLS call: dataclass in, result dataclass out."""
-        pb = self.pb
         result_cls = RESULT_TYPES[type(call)]
-        inputs = [pb.Tensor(name, np.ascontiguousarray(arr)) for name, arr in to_tensors(call).items()]
-        names = [f.name for f in fields(result_cls)]
+        inputs = [self.pb.Tensor(name, np.ascontiguousarray(arr)) for name, arr in to_tensors(call).items()]
+        return from_tensors(result_cls, self._exec(model, inputs, [f.name for f in fields(result_cls)]))
+
+    def _exec(self, model: str, inputs: list, names: list[str]) -> dict[str, np.ndarray]:
+        pb = self.pb
         kwargs = {"timeout": self.timeout_us} if self.timeout_us else {}
         response = pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=names, **kwargs).exec()
         if response.has_error():
@@ -59,7 +91,7 @@ class BLSExecutor:
                 raise StageError(f"stage model {model!r}: response has no output {name!r}")
             # Copy out of the response's shared-memory buffer, which is released with the response.
             tensors[name] = np.array(t.as_numpy(), copy=True)
-        return from_tensors(result_cls, tensors)
+        return tensors
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -90,7 +91,12 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
         target, mtp, _ = resolve_dirs(config.engine)
         local = LocalExecutor({"mtp": MTPRunner(target, mtp, config.engine.device)})
         executor = RoutingExecutor({"target": executor, "mtp": local})
-    engine = LLMEngine(config.engine, executor=executor)
+    # the stages load beside this model and answer BLS only once it has loaded: the engine fetches
+    # their profiles (taken while they load) from its loop, before its first step
+    engine = LLMEngine(config.engine, executor=executor, profile_now=False)
+    if engine.profile_pending and config.engine.speculation == "mtp" and config.local_stage("mtp"):
+        # the heads run in this process: time them now, while the model loads
+        executor.profile("mtp", engine.profile_spec())
     reporter = None
     if config.metrics:
         try:
@@ -122,8 +128,8 @@ def _stage(args: dict, config) -> _StageModelAdapter:
 
     from lightspec_core.engine.engine import resolve_dirs
     from lightspec_core.stages.memory import keep_freed_memory
-    from lightspec_core.stages.target import ModelRunner
     from lightspec_core.stages.mtp import MTPRunner
+    from lightspec_core.stages.target import ModelRunner
 
     cfg = config.engine
     if not keep_freed_memory():  # a step's megabytes of temporaries reuse freed memory (see there)
@@ -140,8 +146,31 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     if config.role is Role.MTP:
         runner = MTPRunner(target, mtp, device)
     elif config.role is Role.TARGET:
-        heads = MTPRunner(target, mtp, device) if config.mtp_heads else None  # fused MTP drafts
+        heads = MTPRunner(target, mtp, device) if config.loads_heads else None  # fused MTP drafts
         runner = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, device, heads=heads)
     else:
         runner = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, device)
-    return _StageModelAdapter(StageModel(config.role, runner, pb_utils, threads=threads, set_threads=torch.set_num_threads))
+    stage = StageModel(config.role, runner, pb_utils, threads=threads, set_threads=torch.set_num_threads)
+    if cfg.speculative and cfg.policy_kind == "dynamic" and cfg.profile_stages:
+        _take_profile(stage, config, target)
+    return _StageModelAdapter(stage)
+
+
+def _take_profile(stage, config, target_dir: str) -> None:
+    """The dynamic policy's profile of this stage, taken before the server reports ready (the
+    orchestrator's engine fetches it; a stage the engine will not ask, such as the draft stage of
+    an MTP repository, takes none)."""
+    from lightspec_core.models.llama import LlamaConfig
+    from lightspec_core.spec.calibrate import PROPOSER_STAGE, ProfileSpec
+
+    cfg = config.engine
+    if config.role is not Role.TARGET and PROPOSER_STAGE.get(cfg.method) != config.role.value:
+        return
+    model = LlamaConfig.from_dir(target_dir)
+    t0 = time.perf_counter()
+    try:
+        stage.take_profile(ProfileSpec.for_engine(cfg, model, cfg.context_length(model.max_position_embeddings)))
+    except Exception as e:  # an optimisation: the engine asks again, or plans with generic costs
+        pb_utils.Logger.log_warn(f"[lightspec] {config.role.value} stage: profile failed ({e})")
+        return
+    pb_utils.Logger.log_info(f"[lightspec] {config.role.value} stage: profiled in {time.perf_counter() - t0:.1f} s")

@@ -5,7 +5,8 @@ Every error is a ``ValueError`` naming the parameter and its value; ``model.py``
 
 Any :class:`~lightspec_core.EngineConfig` field is also a parameter of the same name (string-valued,
 as Triton requires; an empty string means "default"). The backend adds ``role``, ``metrics`` and the
-stage model names.
+target and draft stage model names; where the MTP heads run is the engine's ``mtp`` parameter
+(``fused``, ``local`` or the MTP stage model's name).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from lightspec_core.config import EngineConfig
+from lightspec_core.config import MTP_FUSED, MTP_LOCAL, EngineConfig
 
 
 class Role(str, Enum):
@@ -26,19 +27,22 @@ class Role(str, Enum):
     MTP = "mtp"  # stage: MTP heads (no KV)
 
 
-# Engine stage name -> (parameter naming the Triton model, default model name).
+# Engine stage name -> (parameter naming the Triton model, default model name). The MTP stage's
+# model is named by the engine's ``mtp`` parameter itself when it is neither fused nor local.
 STAGE_MODEL_PARAMS = {
     "target": ("target_model", "lightspec_target"),
-    "mtp": ("mtp_model", "lightspec_mtp"),
     "draft": ("draft_model", "lightspec_draft"),
 }
-BACKEND_PARAMS = ("role", "metrics", "mtp_heads", *(p for p, _ in STAGE_MODEL_PARAMS.values()))
-# fused_mtp is set by ``mtp_model: fused`` (the target stage must load the heads too), not by hand
-ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "fused_mtp")
+MTP_STAGE_MODEL = "lightspec_mtp"  # the generated repository's MTP stage model (``mtp: lightspec_mtp``)
+BACKEND_PARAMS = ("role", "metrics", *(p for p, _ in STAGE_MODEL_PARAMS.values()))
+ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+# Parameters that were folded into ``mtp``: a config that still sets them fails naming the new one.
+REPLACED_PARAMS = {"mtp_model": "mtp", "mtp_heads": "mtp", "fused_mtp": "mtp"}
 # The KV geometry every KV-owning stage must share with the orchestrator, which allocates blocks.
 KV_PARAMS = ("num_kv_blocks", "block_size")
 PATH_PARAMS = ("model_dir", "mtp_dir", "draft_dir")
 _TRUE, _FALSE = ("on", "true", "1", "yes"), ("off", "false", "0", "no")
+LOCAL, FUSED = MTP_LOCAL, MTP_FUSED
 
 
 @dataclass
@@ -47,26 +51,26 @@ class BackendConfig:
     engine: EngineConfig
     metrics: bool
     stage_models: dict[str, str]  # engine stage name ("target", "mtp", "draft") -> Triton model name
-    mtp_heads: bool = False  # role target: load the MTP heads and propose fused drafts (mtp_model: fused)
 
     def stages_in_use(self) -> list[str]:
-        """The stages the orchestrator's engine calls with this speculation method."""
+        """The stages the orchestrator's engine calls by BLS with this speculation method."""
         method = self.engine.speculation
         remote = method in ("mtp", "draft") and self.engine.speculative and not self.local_stage(method)
         return ["target", *([method] if remote else [])]
 
     def local_stage(self, stage: str) -> bool:
-        """``mtp_model: "local"`` runs the MTP heads inside the orchestrator's process; so does
-        ``"fused"`` for sampled requests, whose greedy requests get their drafts from the target stage."""
-        return stage == "mtp" and self.stage_models.get("mtp") in (LOCAL, FUSED)
+        """``mtp: local`` runs the MTP heads inside the orchestrator's process; so does ``fused``
+        for sampled requests, whose greedy requests get their drafts from the target stage."""
+        return stage == "mtp" and self.engine.mtp in (LOCAL, FUSED)
 
     @property
     def fused(self) -> bool:
-        return self.stage_models.get("mtp") == FUSED
+        return self.engine.mtp == FUSED
 
-
-LOCAL = "local"
-FUSED = "fused"
+    @property
+    def loads_heads(self) -> bool:
+        """A target stage loads the MTP heads and proposes fused drafts with its results."""
+        return self.role is Role.TARGET and self.engine.fused_mtp
 
 
 def available_cpus() -> int:
@@ -143,6 +147,9 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     """Validate every parameter; unknown lower-case keys are rejected (they are almost always typos).
     Upper-case keys are left to Triton and the Python backend (``EXECUTION_ENV_PATH`` and friends).
     Relative checkpoint paths are resolved against ``base_dir`` (the model repository)."""
+    for old, new in REPLACED_PARAMS.items():
+        if old in params:
+            raise _bad(old, params[old], f"replaced by {new} ({FUSED}, {LOCAL} or the MTP stage model's name)")
     unknown = sorted(k for k in params if k not in BACKEND_PARAMS + ENGINE_PARAMS and not k.isupper())
     if unknown:
         raise _bad(
@@ -165,15 +172,10 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     except ValueError as e:  # EngineConfig names the field: "speculation='x': expected ..."
         raise ValueError(f"parameter {e}") from None
     metrics = parse_bool("metrics", params.get("metrics", "") or "on")
-    mtp_heads = parse_bool("mtp_heads", params.get("mtp_heads", "") or "off")
-    if mtp_heads and role is not Role.TARGET:
-        raise _bad("mtp_heads", params["mtp_heads"], f"only a target stage loads fused MTP heads (role={role.value})")
-    stage_models = {}
-    for stage, (param, default) in STAGE_MODEL_PARAMS.items():
-        stage_models[stage] = params.get(param, "").strip() or default
-    if stage_models["mtp"] == FUSED and role is Role.ORCHESTRATOR and engine.method.value == "mtp":
-        engine.fused_mtp = True  # (other methods have no MTP heads to fuse: the setting is moot)
-    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models, mtp_heads=mtp_heads)
+    stage_models = {stage: params.get(param, "").strip() or default for stage, (param, default) in STAGE_MODEL_PARAMS.items()}
+    if engine.mtp not in (LOCAL, FUSED):
+        stage_models["mtp"] = engine.mtp
+    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models)
 
 
 def check_checkpoints(config: BackendConfig) -> None:
@@ -185,7 +187,7 @@ def check_checkpoints(config: BackendConfig) -> None:
     needed = {
         Role.ORCHESTRATOR: [("model_dir", target, "config.json")],
         Role.TARGET: [("model_dir", target, "config.json"),
-                      *([("mtp_dir", mtp, "mtp_config.json")] if config.mtp_heads else [])],
+                      *([("mtp_dir", mtp, "mtp_config.json")] if config.loads_heads else [])],
         Role.MTP: [("model_dir", target, "config.json"), ("mtp_dir", mtp, "mtp_config.json")],
         Role.DRAFT: [("draft_dir", draft, "config.json")],
     }[role]
@@ -239,13 +241,13 @@ def check_stage_configs(config: BackendConfig, repository: str | Path) -> list[s
             notes.append(f"stage model {name!r}: {path} not found, KV geometry not checked")
             continue
         theirs = parse_backend_config(read_config_parameters(path), base_dir=repository)
+        param = STAGE_MODEL_PARAMS[stage][0] if stage in STAGE_MODEL_PARAMS else "mtp"
         if theirs.role.value != stage:
-            raise _bad(
-                STAGE_MODEL_PARAMS[stage][0], name, f"that model has role={theirs.role.value!r}, expected {stage!r}"
-            )
-        fused = stage == "target" and config.fused and mine.speculative
-        if fused and not theirs.mtp_heads:
-            raise _bad("mtp_model", FUSED, f"stage model {name!r} does not load the MTP heads (set mtp_heads: on in {path})")
+            raise _bad(param, name, f"that model has role={theirs.role.value!r}, expected {stage!r}")
+        fused = stage == "target" and mine.fused_mtp
+        if fused and not theirs.loads_heads:
+            raise _bad("mtp", FUSED, f"stage model {name!r} does not load the MTP heads "
+                       f"(it needs speculation: mtp and mtp: {FUSED} in {path})")
         keys = ["model_dir", *(["mtp_dir"] if stage == "mtp" or fused else []),
                 *(["draft_dir"] if stage == "draft" else [])]
         keys += list(KV_PARAMS) if stage != "mtp" else []

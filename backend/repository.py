@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from lightspec_core.config import EngineConfig
-from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult
+from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, ProfileCall, ProfileResult
 
 from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, Role
 from .tensors import INPUTS, OUTPUTS, TensorSpec
@@ -22,16 +22,18 @@ from .tensors import INPUTS, OUTPUTS, TensorSpec
 ORCHESTRATOR = "lightspec"
 BACKEND = "lightspec"
 
-# Stage tensors: datatype and dims per field of the stage dataclasses (a test checks the names).
+# Stage tensors: datatype and dims per field of the stage dataclasses (a test checks the names). Every
+# input is optional to Triton: a stage answers calls of two kinds (a step, or a profile request), and
+# checks itself that a call has every field of its kind.
 STAGE_TENSORS: dict[type, list[TensorSpec]] = {
     ModelCall: [
-        TensorSpec("input_ids", "INT64", (-1,), optional=False),
-        TensorSpec("positions", "INT64", (-1,), optional=False),
-        TensorSpec("query_lens", "INT32", (-1,), optional=False),
-        TensorSpec("block_tables", "INT32", (-1, -1), optional=False),
-        TensorSpec("sample_indices", "INT64", (-1,), optional=False),
-        TensorSpec("return_logits", "BOOL", (-1,), optional=False),
-        TensorSpec("return_hidden", "BOOL", (1,), optional=False),
+        TensorSpec("input_ids", "INT64", (-1,)),
+        TensorSpec("positions", "INT64", (-1,)),
+        TensorSpec("query_lens", "INT32", (-1,)),
+        TensorSpec("block_tables", "INT32", (-1, -1)),
+        TensorSpec("sample_indices", "INT64", (-1,)),
+        TensorSpec("return_logits", "BOOL", (-1,)),
+        TensorSpec("return_hidden", "BOOL", (1,)),
         TensorSpec("mtp_drafts", "INT32", (-1,)),
         TensorSpec("mtp_conf", "BOOL", (1,)),
     ],
@@ -44,17 +46,19 @@ STAGE_TENSORS: dict[type, list[TensorSpec]] = {
         TensorSpec("accepted", "INT32", (-1,)),
     ],
     MTPCall: [
-        TensorSpec("hidden", "FP32", (-1, -1), optional=False),
-        TensorSpec("last_ids", "INT64", (-1,), optional=False),
-        TensorSpec("num_tokens", "INT32", (-1,), optional=False),
-        TensorSpec("temperature", "FP32", (-1,), optional=False),
-        TensorSpec("top_k", "INT32", (-1,), optional=False),
-        TensorSpec("top_p", "FP32", (-1,), optional=False),
-        TensorSpec("uniforms", "FP32", (-1, -1), optional=False),
-        TensorSpec("return_probs", "BOOL", (1,), optional=False),
-        TensorSpec("min_gain", "FP32", (-1,), optional=False),
-        TensorSpec("calibration", "FP32", (-1, -1, -1), optional=False),
+        TensorSpec("hidden", "FP32", (-1, -1)),
+        TensorSpec("last_ids", "INT64", (-1,)),
+        TensorSpec("num_tokens", "INT32", (-1,)),
+        TensorSpec("temperature", "FP32", (-1,)),
+        TensorSpec("top_k", "INT32", (-1,)),
+        TensorSpec("top_p", "FP32", (-1,)),
+        TensorSpec("uniforms", "FP32", (-1, -1)),
+        TensorSpec("return_probs", "BOOL", (1,)),
+        TensorSpec("min_gain", "FP32", (-1,)),
+        TensorSpec("calibration", "FP32", (-1, -1, -1)),
     ],
+    ProfileCall: [TensorSpec("profile_spec", "STRING", (1,))],
+    ProfileResult: [TensorSpec("profile", "STRING", (1,))],
     MTPResult: [
         TensorSpec("draft_ids", "INT64", (-1, -1)),
         TensorSpec("draft_probs", "FP32", (-1, -1, -1)),
@@ -67,14 +71,19 @@ STAGE_IO = {
     Role.MTP: (MTPCall, MTPResult),
 }
 # Which parameters each stage reads; any of them in ``overrides`` is copied to that stage.
+# What a stage computes its cost profile from while it loads (``ProfileSpec.for_engine``), so that it
+# is the profile the orchestrator's engine asks for (the target stage also reads ``mtp`` and
+# ``speculation``: with ``mtp: fused`` it loads the MTP heads).
+PROFILE_PARAMS = ("speculation", "policy", "max_draft_tokens", "max_num_seqs", "max_num_batched_tokens", "mtp",
+                  "profile_stages", "max_model_len", "num_kv_blocks", "block_size")
 STAGE_PARAMS = {
-    Role.TARGET: ("model_dir", "num_kv_blocks", "block_size", "device", "num_threads"),
-    Role.DRAFT: ("model_dir", "draft_dir", "num_kv_blocks", "block_size", "device", "num_threads"),
-    Role.MTP: ("model_dir", "mtp_dir", "device", "num_threads"),
+    Role.TARGET: ("model_dir", "mtp_dir", "device", "num_threads", *PROFILE_PARAMS),
+    Role.DRAFT: ("model_dir", "draft_dir", "device", "num_threads", *PROFILE_PARAMS),
+    Role.MTP: ("model_dir", "mtp_dir", "device", "num_threads", *PROFILE_PARAMS),
 }
 ORCHESTRATOR_PARAMS = (
     "speculation", "policy", "max_draft_tokens", "num_kv_blocks", "block_size", "max_num_seqs",
-    "max_num_batched_tokens", "pipeline_depth", "metrics", "target_model", "mtp_model", "draft_model",
+    "max_num_batched_tokens", "pipeline_depth", "metrics", "target_model", "mtp", "draft_model",
     "model_dir", "mtp_dir", "draft_dir", "num_threads",
 )  # fmt: skip
 
@@ -86,15 +95,8 @@ def default_parameters() -> dict[str, str]:
     for key in ORCHESTRATOR_PARAMS:
         if key == "metrics":
             out[key] = "on"
-        elif key == "mtp_model":
-            # MTP heads in the target stage (fused): a step is one BLS call, and the heads run right
-            # after the target's forward. Since a lone request's heads run in numpy it beats heads in
-            # the orchestrator (local) in 13 of 16 side-by-side rounds at c=1-64, by 6-8 % on average
-            # (README, Benchmarks); local beats a separate stage process.
-            # --set mtp_model=local|lightspec_mtp
-            out[key] = FUSED
         elif key == "num_threads":
-            # The orchestrator's own torch work (MTP heads at mtp_model=local, rejection sampling) is
+            # The orchestrator's own torch work (MTP heads at mtp: local, rejection sampling) is
             # many small kernels: a second intra-op thread barely speeds them up, and its spinning
             # worker takes a core from the target stage's process. Stages: one thread per CPU but one.
             out[key] = "1"
@@ -126,7 +128,7 @@ def _params_block(params: dict[str, str]) -> str:
 
 def render_orchestrator(params: dict[str, str], name: str = ORCHESTRATOR) -> str:
     return (
-        f"# LightSpec orchestrator: owns the engine, reaches the stage models by BLS. See docs/README_triton.md.\n"
+        f"# LightSpec orchestrator: owns the engine, reaches the stage models by BLS. See docs/serving.md.\n"
         f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
         + _tensor_block("input", INPUTS, True)
@@ -142,8 +144,8 @@ def render_stage(role: Role, name: str, params: dict[str, str]) -> str:
         f"# LightSpec {role.value} stage: tensors are the fields of lightspec_core.stages."
         f"{call_cls.__name__} / {result_cls.__name__}.\n"
         f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 0\n'
-        + _tensor_block("input", STAGE_TENSORS[call_cls], True)
-        + _tensor_block("output", STAGE_TENSORS[result_cls], False)
+        + _tensor_block("input", STAGE_TENSORS[call_cls] + STAGE_TENSORS[ProfileCall], True)
+        + _tensor_block("output", STAGE_TENSORS[result_cls] + STAGE_TENSORS[ProfileResult], False)
         + "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
         + _params_block({"role": role.value, **params})
     )
@@ -154,17 +156,20 @@ def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]
     overrides = {k: str(v) for k, v in (overrides or {}).items()}
     orch = {**default_parameters(), **overrides}
     out = {ORCHESTRATOR: render_orchestrator(orch)}
-    for role in (Role.TARGET, Role.MTP, Role.DRAFT):
-        param, _ = STAGE_MODEL_PARAMS[role.value]
-        if orch[param] in (LOCAL, FUSED):  # run inside the orchestrator (or the target stage): no stage model
-            continue
+    for role, name in _stage_models(orch).items():
         # a stage's num_threads only from overrides: the orchestrator's default of 1 is its own
         shared = {k: v for k, v in orch.items() if k != "num_threads" or k in overrides}
-        stage_params = {k: shared[k] for k in STAGE_PARAMS[role] if k in shared}
-        if role is Role.TARGET and orch["mtp_model"] == FUSED:  # the target stage proposes MTP drafts too
-            stage_params.update(mtp_heads="on", mtp_dir=orch.get("mtp_dir", ""))
-        out[orch[param]] = render_stage(role, orch[param], stage_params)
+        out[name] = render_stage(role, name, {k: shared[k] for k in STAGE_PARAMS[role] if k in shared})
     return out
+
+
+def _stage_models(orch: dict[str, str]) -> dict[Role, str]:
+    """The stage models a repository needs: the target and draft stages, and an MTP stage unless the
+    heads run in the target stage (``fused``) or the orchestrator (``local``)."""
+    names = {Role.TARGET: orch["target_model"], Role.DRAFT: orch["draft_model"]}
+    if orch["mtp"] not in (LOCAL, FUSED):
+        names[Role.MTP] = orch["mtp"]
+    return names
 
 
 def write_model_repository(dst: str | Path, overrides: dict[str, str] | None = None) -> Path:

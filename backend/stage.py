@@ -1,18 +1,24 @@
 """Stage models (roles ``target``, ``draft``, ``mtp``): tensors in, runner, tensors out.
 
 A stage model is a plain (not decoupled) Triton model whose input and output tensors are the fields
-of the stage dataclasses in :mod:`lightspec_core.stages`. Requests are executed one by one: each
-is one packed engine step already, and the runner's KV pool is shared state.
+of the stage dataclasses in :mod:`lightspec_core.stages.contract`. Requests are executed one by one:
+each is one packed engine step already, and the runner's KV pool is shared state. A request with a
+``profile_spec`` asks for the stage's cost profile instead (``ProfileCall``): the stage takes it
+while it loads (:meth:`StageModel.take_profile`), so the engine's first step does not wait for it.
 """
 
 from __future__ import annotations
 
+import json
 import traceback
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, asdict, fields
 
 import numpy as np
 
+from lightspec_core.spec.calibrate import ProfileSpec
+from lightspec_core.spec.cost import VerifyCost
 from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
+from lightspec_core.stages.executor import LocalExecutor
 
 from .params import Role, StageThreads
 
@@ -31,7 +37,9 @@ class StageModel:
         per call by its size (see :func:`~lightspec_backend.params.stage_threads`); without them the
         process keeps whatever it has."""
         self.call_cls = CALL_TYPES[role]
+        self.role = role
         self.runner = runner
+        self._local = LocalExecutor({role.value: runner})  # times this stage for its profile
         self.pb = pb_utils
         self.threads = threads
         self.set_threads = set_threads
@@ -40,24 +48,49 @@ class StageModel:
     def execute(self, requests: list) -> list:
         return [self._one(r) for r in requests]
 
+    def take_profile(self, spec: ProfileSpec) -> str:
+        """Time this stage for ``spec`` (kept: a profile request for the same spec answers from it);
+        returns the profile as JSON."""
+        self._use_threads(1 << 30)  # the profile's largest calls decide; serving picks per call again
+        cost = self._local.profile(self.role.value, spec)
+        return json.dumps(cost.to_dict() if isinstance(cost, VerifyCost) else asdict(cost))
+
+    def _use_threads(self, num_tokens: int) -> None:
+        if self.threads is not None and self.set_threads is not None:
+            n = self.threads.for_call(num_tokens)
+            if n != self._current_threads:
+                self.set_threads(n)
+                self._current_threads = n
+
+    def _read_call(self, request):
+        tensors = {}
+        for f in fields(self.call_cls):
+            t = self.pb.get_input_tensor_by_name(request, f.name)
+            if t is None:
+                if f.default_factory is not MISSING:  # optional input: its default
+                    tensors[f.name] = f.default_factory()
+                    continue
+                raise ValueError(f"{f.name}: missing input tensor")
+            tensors[f.name] = t.as_numpy()
+        return from_tensors(self.call_cls, tensors)
+
+    def _profile_response(self, spec_tensor):
+        raw = spec_tensor.as_numpy().reshape(-1)[0]
+        try:
+            spec = ProfileSpec.from_json(raw.decode() if isinstance(raw, bytes) else str(raw))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"profile_spec: not a profile specification ({e})") from None
+        profile = np.array([self.take_profile(spec).encode()], dtype=object)
+        return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("profile", profile)])
+
     def _one(self, request):
         pb = self.pb
         try:
-            tensors = {}
-            for f in fields(self.call_cls):
-                t = pb.get_input_tensor_by_name(request, f.name)
-                if t is None:
-                    if f.default_factory is not MISSING:  # optional input: its default
-                        tensors[f.name] = f.default_factory()
-                        continue
-                    raise ValueError(f"{f.name}: missing input tensor")
-                tensors[f.name] = t.as_numpy()
-            call = from_tensors(self.call_cls, tensors)
-            if self.threads is not None and self.set_threads is not None:
-                n = self.threads.for_call(call_tokens(call))
-                if n != self._current_threads:
-                    self.set_threads(n)
-                    self._current_threads = n
+            spec = pb.get_input_tensor_by_name(request, "profile_spec")
+            if spec is not None:
+                return self._profile_response(spec)
+            call = self._read_call(request)
+            self._use_threads(call_tokens(call))
             result = self.runner.execute(call)
         except ValueError as e:
             return pb.InferenceResponse(error=pb.TritonError(str(e), pb.TritonError.INVALID_ARG))

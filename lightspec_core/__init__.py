@@ -5,16 +5,25 @@
 >>> out = engine.generate(["def fib(n):"], SamplingParams(max_tokens=32))[0]
 """
 
-from .config import EngineConfig, SamplingParams, SpecMethod
-from .engine.engine import LLMEngine, default_model_dir
-from .engine.outputs import RequestDelta, RequestOutput
+from __future__ import annotations
 
-__all__ = [
-    "EngineConfig",
-    "LLMEngine",
-    "RequestDelta",
-    "RequestOutput",
-    "SamplingParams",
-    "SpecMethod",
-    "default_model_dir",
-]
+import importlib
+
+from .config import EngineConfig, SamplingParams, SpecMethod
+
+# The engine pulls in torch (about a second to import); configuration and validation do not need it,
+# so ``lightspec serve`` can check every parameter before it starts a server.
+_LAZY = {
+    "LLMEngine": ".engine.engine",
+    "default_model_dir": ".engine.engine",
+    "RequestDelta": ".engine.outputs",
+    "RequestOutput": ".engine.outputs",
+}
+
+__all__ = ["EngineConfig", "SamplingParams", "SpecMethod", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

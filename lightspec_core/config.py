@@ -65,13 +65,9 @@ class SamplingParams:
 
 
 def parse_policy(policy: str) -> tuple[str, int | None]:
-    """``"dynamic"`` | ``"dynamic:latency"`` | ``"off"`` | ``"static"`` | ``"static:K"`` -> (kind, fixed k
-    or None). ``dynamic:latency``: the dynamic policy minimising the running requests' mean latency
-    (step time x sum of 1/E_i) instead of maximising the batch's goodput (sum of E_i / step time)."""
+    """``"dynamic"`` | ``"off"`` | ``"static"`` | ``"static:K"`` -> (kind, fixed k or None)."""
     if policy in ("dynamic", "off", "static"):
         return policy, None
-    if policy in ("dynamic:goodput", "dynamic:latency"):
-        return "dynamic", None
     if policy.startswith("static:"):
         try:
             k = int(policy.split(":", 1)[1])
@@ -80,7 +76,11 @@ def parse_policy(policy: str) -> tuple[str, int | None]:
         if k < 0:
             raise _bad("policy", policy, "K must be >= 0")
         return "static", k
-    raise _bad("policy", policy, "expected one of dynamic, dynamic:latency, off, static, static:K")
+    raise _bad("policy", policy, "expected one of dynamic, off, static, static:K")
+
+
+MTP_FUSED = "fused"  # the target stage runs the MTP heads right after its forward
+MTP_LOCAL = "local"  # the heads run in the engine's process (the orchestrator's, in a server)
 
 
 @dataclass
@@ -88,16 +88,19 @@ class EngineConfig:
     """Engine configuration. ``model_dir=None`` uses the embedded default model.
 
     KV memory is ``num_kv_blocks`` blocks of ``block_size`` tokens. With the dynamic policy the
-    engine times its stages on synthetic steps before its first step (``profile_stages``; about a
-    second) and plans with that profile; without it, it plans with generic costs. Each step schedules at most
-    ``max_num_seqs`` requests and ``max_num_batched_tokens`` new tokens (prefill chunks + 1 + k per
-    decoding request). With the dynamic policy and MTP heads, ``confidence_stop`` lets a request's
-    chain of drafts stop early where the heads' confidence says the next draft is not worth verifying
-    (see ``ConfidenceStats``); off (the default: through the server on 2 CPU cores it did not beat
-    plain ``dynamic``, see README), every request gets the k the policy chose. ``fused_mtp``: the
-    target stage runs the MTP heads right after its forward and returns each greedy request's next
-    drafts with its result (``ModelCall.mtp_drafts``), which saves the separate MTP call of every
-    step; sampled requests still draft on the ``mtp`` stage.
+    stages are timed on synthetic steps while the engine loads (``profile_stages``; about a second
+    here) and the policy plans with that profile; without it, with generic costs. Each step
+    schedules at most ``max_num_seqs`` requests and ``max_num_batched_tokens`` new tokens (prefill
+    chunks + 1 + k per decoding request).
+
+    ``mtp`` says where the MTP heads run: ``"fused"`` (the default) in the target stage, right after
+    its forward, which returns each greedy request's next drafts with its result and saves a stage
+    call per step (sampled requests draft on heads in the engine's process); ``"local"`` in the
+    engine's process for every request; any other value names the Triton stage model that serves
+    them (in process, that is ``"local"``). ``confidence_stop`` (MTP with the dynamic policy) lets a
+    request's chain of drafts stop where its heads' confidence says the next draft is not worth
+    verifying (see ``ConfidenceStats``); off by default, as it did not pay with the embedded model
+    (docs/benchmarks.md).
     """
 
     model_dir: str | None = None
@@ -120,7 +123,7 @@ class EngineConfig:
     num_threads: int = 0
     profile_stages: bool = True
     confidence_stop: bool = False
-    fused_mtp: bool = False
+    mtp: str = MTP_FUSED
 
     def __post_init__(self) -> None:
         try:
@@ -140,14 +143,25 @@ class EngineConfig:
             raise _bad("kv_high_water", self.kv_high_water, "must be in (0, 1]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise _bad("ngram_min", self.ngram_min, "need 1 <= ngram_min <= ngram_max")
-        if self.fused_mtp and self.method is not SpecMethod.MTP:
-            raise _bad("fused_mtp", self.fused_mtp, f"needs speculation=mtp (got {self.speculation})")
+        if not isinstance(self.mtp, str) or not self.mtp.strip():
+            raise _bad("mtp", self.mtp, f"expected {MTP_FUSED}, {MTP_LOCAL} or the name of a stage model")
         if self.static_k is not None and self.static_k > self.max_draft_tokens:
             raise _bad("policy", self.policy, f"K exceeds max_draft_tokens={self.max_draft_tokens}")
 
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The longest sequence served: the model's, ``max_model_len`` and the KV pool's, whichever is least."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings,
+                   self.num_kv_blocks * self.block_size)
+
     @property
-    def policy_objective(self) -> str:
-        return "latency" if self.policy == "dynamic:latency" else "goodput"
+    def fused_mtp(self) -> bool:
+        """The target stage proposes MTP drafts with its result (``mtp: fused`` and speculating)."""
+        return self.method is SpecMethod.MTP and self.speculative and self.mtp == MTP_FUSED
+
+    @property
+    def confidence_floors(self) -> bool:
+        """The dynamic policy computes per-request gain floors for the MTP heads' confidence stop."""
+        return self.confidence_stop and self.method is SpecMethod.MTP and self.policy_kind == "dynamic"
 
     @property
     def speculative(self) -> bool:

@@ -46,10 +46,6 @@ class BlockManager:
     def extra_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(self.table(seq_id)))
 
-    def can_ensure(self, seq_id: str, num_tokens: int) -> bool:
-        return self.extra_blocks_needed(seq_id, num_tokens) <= len(self._free)
-
-    # ---- mutations -----------------------------------------------------------------------------
     def ensure(self, seq_id: str, num_tokens: int) -> bool:
         """Grow ``seq_id``'s table to cover ``num_tokens`` slots. False (and no change) if the pool
         cannot supply the blocks: resource pressure is a return value."""

@@ -22,9 +22,9 @@ from itertools import chain
 
 import numpy as np
 
-from .block_manager import BlockManager, blocks_for
-from ..spec.acceptance import ALPHA_STRENGTH, AcceptanceStats
+from ..spec.acceptance import ALPHA_STRENGTH, AcceptanceStats, request_alphas
 from ..spec.policy import SMALL_SLOTS, PolicyBatch
+from .block_manager import BlockManager, blocks_for
 from .sequence import Sequence, Status
 
 EXPLORE_EVERY = 16  # every 16th step of a request ignores the policy's gain floor
@@ -219,16 +219,15 @@ class Scheduler:
             batch = self._small_batch(seqs, free_slots)
         else:
             batch = self._array_batch(seqs, free_slots)
-        ks = self.policy.choose(batch, base, base + budget, context, prefill, requests)
-        floors = getattr(self.policy, "gain_floors", None)
-        if floors:
+        decision = self.policy.choose(batch, base, base + budget, context, prefill, requests)
+        if decision.floors:
             explore = EXPLORE_EVERY
-            for it, floor in zip(cands, floors):
+            for it, floor in zip(cands, decision.floors):
                 # now and then a request drafts its k whatever the confidence, so that the
                 # acceptance of low-confidence drafts keeps being measured (ConfidenceStats)
                 it.min_gain = floor if it.seq.num_steps % explore != explore - 1 else 0.0
         ensure = self.blocks.ensure
-        for it, k in zip(cands, ks):
+        for it, k in zip(cands, decision.ks):
             if not k:
                 continue
             seq = it.seq
@@ -259,18 +258,15 @@ class Scheduler:
 
     def _small_batch(self, seqs: list[Sequence], free_slots: int) -> PolicyBatch:
         """The policy's inputs for a few requests, as plain lists (numpy's per-call overhead would
-        double a lone request's decision)."""
+        double a lone request's decision): the reference :meth:`_array_batch` is held to."""
         max_k, bs, tables = self.max_k, self.blocks.block_size, self.blocks.tables
         rates = [self.acceptance.rates(m).tolist() for m in (False, True)]  # greedy, sampled
-        strength = ALPHA_STRENGTH
         limits, alphas, sampled = [], [], []
         for seq in seqs:
             n_tok = len(seq.token_ids)
             limit = min(max_k, seq.draft_cap_asked, seq.end_len - n_tok - 1,
                         len(tables[seq.request_id]) * bs - n_tok + free_slots)
-            g = rates[seq.sampled]
-            reached, accepted = seq.pos_reached, seq.pos_accepted
             limits.append(limit if limit > 0 else 0)
-            alphas.append([(accepted[j] + strength * g[j]) / (reached[j] + strength) for j in range(max_k)])
+            alphas.append(request_alphas(seq.pos_reached, seq.pos_accepted, rates[seq.sampled], max_k))
             sampled.append(seq.sampled)
         return PolicyBatch(limits, alphas, sampled)

@@ -85,10 +85,6 @@ class Sequence:
         return self.num_computed == len(self.token_ids) - 1
 
     @property
-    def max_new(self) -> int:
-        return self.params.max_tokens - self.num_output
-
-    @property
     def sort_key(self) -> tuple[int, int]:
         # higher priority first, then first come first served
         return (-self.params.priority, self.arrival)

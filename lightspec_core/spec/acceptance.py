@@ -88,11 +88,10 @@ def request_alphas(pos_reached: list[float], pos_accepted: list[float], global_r
     """Per-request rates smoothed toward the global ones while the request has little history.
     A request's own counts decay (about ten drafted steps of memory, see ``Sequence``), so
     ``strength`` also bounds how far below the global rate a hopeless request can fall: with 4
-    pseudo-counts, to about 0.3x of it. 2 made sampled n-gram requests on the mixed workload stop
-    drafting sooner (24 against 41 drafts per request), but in the sweep run with 2 the MTP policy
-    fell to 0.80-0.92x of the best static depth (0.98-1.08x in the sweep with 4): 4 it is.
-    The scheduler computes the same for all of a step's requests at once (``Scheduler._small_batch``,
-    ``_array_batch``); a test holds them to this function bit for bit."""
+    pseudo-counts, to about 0.3x of it. A smaller strength stops hopeless requests sooner but lets
+    a few unlucky drafts silence good ones; 4 gave the better sweep (docs/benchmarks.md).
+    ``Scheduler._small_batch`` calls this for a few requests; ``_array_batch`` computes the same
+    for many at once, and a test holds the two equal."""
     n = len(pos_reached)
     return [
         (pos_accepted[j] + strength * global_rates[j]) / (pos_reached[j] + strength) if j < n else global_rates[j]

@@ -1,7 +1,8 @@
-"""Stage profile taken when a dynamic engine starts: what a step costs against batch size and drafts.
+"""Stage profile taken while a dynamic engine loads: what a step costs against batch size and drafts.
 
-Like vLLM's profile run, before its first real step the engine times a small grid of synthetic steps
-on its own stages, through the same executor it serves with (so through BLS in Triton): the target
+Like vLLM's profile run, before its first real step each stage is timed on a small grid of synthetic
+steps, where it runs (in this process, or in a Triton stage model's own process while it loads;
+the engine then fetches the result, see ``Executor.profile``): the target
 at each batch size B in 1, 2, 4, ... ``max_num_seqs`` with one token per request and with K drafts
 each, one longer context, one prompt chunk, the largest step again with its logits returned (what a
 sampled request's row costs more), and the proposer at depth 1 and K. The dynamic policy
@@ -15,16 +16,21 @@ profile takes about a second for the default model on a CPU.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import SpecMethod
-from .cost import ProposeCost, VerifyCost
-from ..stages.executor import Executor
+from ..config import EngineConfig, SpecMethod
 from ..stages.contract import ModelCall, MTPCall
+from .cost import ProposeCost, VerifyCost
+
+if TYPE_CHECKING:
+    from ..models.llama import LlamaConfig
+    from ..stages.executor import Executor
 
 
 @dataclass
@@ -42,6 +48,25 @@ class ProfileSpec:
     # fused MTP: the target stage runs the heads for every greedy request of a step (K drafts each,
     # whatever k it verifies), so the profiled target calls do too
     fused_mtp: bool = False
+
+    @classmethod
+    def for_engine(cls, cfg: EngineConfig, model: LlamaConfig, max_model_len: int) -> ProfileSpec:
+        """The profile an engine of this configuration plans with (a stage computes the same from
+        its own copy of the configuration, so it can take it while it loads)."""
+        return cls(cfg.method, cfg.max_draft_tokens if cfg.speculative else 0, cfg.block_size, cfg.num_kv_blocks,
+                   cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, model.hidden_size,
+                   vocab_size=model.vocab_size, fused_mtp=cfg.fused_mtp)
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "method": self.method.value}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ProfileSpec:
+        raw = json.loads(text)
+        return cls(**{**raw, "method": SpecMethod(raw["method"])})
+
+
+PROPOSER_STAGE = {SpecMethod.MTP: "mtp", SpecMethod.DRAFT: "draft"}  # methods whose proposer is a stage
 
 
 def profile_sizes(max_num_seqs: int) -> list[int]:
@@ -143,32 +168,50 @@ def _probs_seconds(rows: int, vocab_size: int, clock: Callable[[], float], reps:
     return best
 
 
-def calibrate(executor: Executor, spec: ProfileSpec,
-              clock: Callable[[], float] = time.perf_counter) -> tuple[VerifyCost, ProposeCost]:
+def _timer(executor: Executor, spec: ProfileSpec, table: list[int], ctx0: int,
+           clock: Callable[[], float], stages: set[str]) -> _Timer:
+    """A timer that runs the other stage's call before each timed one, where ``stages`` (the
+    stages this executor runs) has it."""
     timer = _Timer(executor, spec.reps, clock)
     big_k = spec.max_k
-    bs = spec.block_size
-    # contexts: a typical one and a longer one, inside the model and the pool
-    room = min(spec.max_model_len, spec.num_blocks * bs) - big_k - 1
-    ctx0 = max(1, min(256, room // 2))
-    ctx1 = max(ctx0, min(2 * ctx0, room))
-    table = list(range(-(-(ctx1 + big_k + 1) // bs)))
+    proposer = PROPOSER_STAGE.get(spec.method) if big_k >= 1 else None
+    if proposer is None or proposer not in stages or "target" not in stages:
+        return timer
+    if proposer == "mtp" and not _fused_k(spec):
+        timer.before["target"] = ("mtp", _mtp_call(1, big_k, big_k, spec.hidden_size))
+    elif proposer == "draft":
+        timer.before["target"] = ("draft", _target_call(1, 0, ctx0, table, False))
+    timer.before[proposer] = ("target", _target_call(1, 0, ctx0, table, spec.method is SpecMethod.MTP))
+    return timer
+
+
+def _fused_k(spec: ProfileSpec) -> int:
     # fused MTP: greedy requests' next drafts come back from the target call instead of its hidden
     # states, and no proposer call runs between two target calls
-    fused = big_k if spec.fused_mtp and spec.method is SpecMethod.MTP else 0
+    return spec.max_k if spec.fused_mtp and spec.method is SpecMethod.MTP else 0
+
+
+def _geometry(spec: ProfileSpec) -> tuple[int, int, list[int]]:
+    """Contexts (a typical one and a longer one, inside the model and the pool) and the block table
+    every synthetic request shares."""
+    room = min(spec.max_model_len, spec.num_blocks * spec.block_size) - spec.max_k - 1
+    ctx0 = max(1, min(256, room // 2))
+    ctx1 = max(ctx0, min(2 * ctx0, room))
+    return ctx0, ctx1, list(range(-(-(ctx1 + spec.max_k + 1) // spec.block_size)))
+
+
+def profile_verify(executor: Executor, spec: ProfileSpec, stages: set[str] = frozenset({"target"}),
+                   clock: Callable[[], float] = time.perf_counter) -> VerifyCost:
+    """The target stage's cost model (see ``VerifyCost``), timed through ``executor``."""
+    ctx0, ctx1, table = _geometry(spec)
+    timer = _timer(executor, spec, table, ctx0, clock, set(stages))
+    big_k, fused = spec.max_k, _fused_k(spec)
     hidden = spec.method is SpecMethod.MTP and not fused
 
     def target(b: int, k: int, ctx: int, logits: bool = False) -> ModelCall:
         return _target_call(b, k, ctx, table, hidden, logits, fused)
 
     sizes = profile_sizes(spec.max_num_seqs)
-    proposer = {SpecMethod.MTP: "mtp", SpecMethod.DRAFT: "draft"}.get(spec.method) if big_k >= 1 else None
-    if proposer == "mtp" and not fused:
-        timer.before["target"] = ("mtp", _mtp_call(1, big_k, big_k, spec.hidden_size))
-    elif proposer == "draft":
-        timer.before["target"] = ("draft", _target_call(1, 0, ctx0, table, False))
-    if proposer:
-        timer.before[proposer] = ("target", _target_call(1, 0, ctx0, table, spec.method is SpecMethod.MTP))
     fixed, drafted = [], []  # drafted: (drafts, extra seconds) at each size, or None
     for b in sizes:
         k = min(big_k, spec.max_num_batched_tokens // b - 1)
@@ -184,14 +227,9 @@ def calibrate(executor: Executor, spec: ProfileSpec,
         per_context = max(t1 - fixed[-1], 0.0) / (b_max * (ctx1 - ctx0))
     # the engine passes the context apart: requests x (longest position + 1), which drafts lengthen
     fixed = [f - per_context * b * (ctx0 + 1) for f, b in zip(fixed, sizes)]
-    per_draft: list[float] = []
-    for b, d in zip(sizes, drafted):
-        if d is None:  # the token budget leaves no room to draft at this size: keep the last slope
-            per_draft.append(per_draft[-1] if per_draft else 1e-4)
-        else:
-            n, extra = d
-            per_draft.append(max(extra - per_context * n, 0.0) / n)
-    n_pre = max(1, min(256, spec.max_num_batched_tokens, room))
+    per_draft = _per_draft(drafted, per_context)
+    n_pre = max(1, min(256, spec.max_num_batched_tokens, min(spec.max_model_len, spec.num_blocks * spec.block_size)
+                       - big_k - 1))
     t_pre = timer("target", _prefill_call(n_pre, table))
     per_prefill = max(t_pre - fixed[0] - per_context * n_pre, 0.0) / n_pre
     # a sampled request's rows: logits returned by the stage, and the engine's target distribution
@@ -199,18 +237,44 @@ def calibrate(executor: Executor, spec: ProfileSpec,
     rows = b_max * (1 + k_last)
     with_logits = timer("target", target(b_max, k_last, ctx0, logits=True))
     per_logits_row = max(with_logits - largest, 0.0) / rows + _probs_seconds(rows, spec.vocab_size, clock) / rows
-    verify = VerifyCost(sizes, fixed, per_draft, per_context, per_prefill, per_logits_row)
+    return VerifyCost(sizes, fixed, per_draft, per_context, per_prefill, per_logits_row)
 
-    propose = ProposeCost(fixed=1e-5, per_draft=1e-5, per_depth=0.0)  # n-gram lookup: next to free
-    if proposer:
-        rows = []
-        for b in sizes:
-            # a draft model proposes with k sequential steps of one token per request
-            step = timer("draft", _target_call(b, 0, ctx0, table, False)) if proposer == "draft" else 0.0
-            for k in sorted({1, big_k}):
-                t = timer("mtp", _mtp_call(b, k, big_k, spec.hidden_size)) if proposer == "mtp" else k * step
-                rows.append((1.0, b * k, k, t))
-        arr = np.array(rows)
-        p0, p_draft, p_depth = _fit_nonneg(arr[:, :3], arr[:, 3])
-        propose = ProposeCost(fixed=float(p0), per_draft=float(max(p_draft, 1e-7)), per_depth=float(p_depth))
-    return verify, propose
+
+def _per_draft(drafted: list[tuple[int, float] | None], per_context: float) -> list[float]:
+    out: list[float] = []
+    for d in drafted:
+        if d is None:  # the token budget leaves no room to draft at this size: keep the last slope
+            out.append(out[-1] if out else 1e-4)
+        else:
+            n, extra = d
+            out.append(max(extra - per_context * n, 0.0) / n)
+    return out
+
+
+def profile_propose(executor: Executor, spec: ProfileSpec, stages: set[str] = frozenset(),
+                    clock: Callable[[], float] = time.perf_counter) -> ProposeCost:
+    """The proposer stage's cost model (see ``ProposeCost``), timed through ``executor``; an
+    n-gram lookup (no stage) costs next to nothing."""
+    proposer = PROPOSER_STAGE.get(spec.method) if spec.max_k >= 1 else None
+    if proposer is None:
+        return ProposeCost(fixed=1e-5, per_draft=1e-5, per_depth=0.0)
+    ctx0, _, table = _geometry(spec)
+    timer = _timer(executor, spec, table, ctx0, clock, set(stages) | {proposer})
+    big_k = spec.max_k
+    rows = []
+    for b in profile_sizes(spec.max_num_seqs):
+        # a draft model proposes with k sequential steps of one token per request
+        step = timer("draft", _target_call(b, 0, ctx0, table, False)) if proposer == "draft" else 0.0
+        for k in sorted({1, big_k}):
+            t = timer("mtp", _mtp_call(b, k, big_k, spec.hidden_size)) if proposer == "mtp" else k * step
+            rows.append((1.0, b * k, k, t))
+    arr = np.array(rows)
+    p0, p_draft, p_depth = _fit_nonneg(arr[:, :3], arr[:, 3])
+    return ProposeCost(fixed=float(p0), per_draft=float(max(p_draft, 1e-7)), per_depth=float(p_depth))
+
+
+def calibrate(executor: Executor, spec: ProfileSpec,
+              clock: Callable[[], float] = time.perf_counter) -> tuple[VerifyCost, ProposeCost]:
+    """Both profiles through one executor that runs every stage (in process)."""
+    stages = {"target", *PROPOSER_STAGE.values()}
+    return profile_verify(executor, spec, stages, clock), profile_propose(executor, spec, stages, clock)

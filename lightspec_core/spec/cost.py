@@ -43,6 +43,14 @@ class VerifyCost:
         """``v0 + v_tok`` per token at every batch size (tests, and before a profile exists)."""
         return cls([1, 2], [v0 + v_tok, v0 + 2 * v_tok], [v_tok, v_tok], v_ctx, v_pre)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> VerifyCost:
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return {"sizes": self._x, "fixed": self._fixed, "per_draft": self._per_draft, "per_context": self.per_context,
+                "per_prefill": self.per_prefill, "per_logits_row": self.per_logits_row}
+
     def _at(self, y: list[float], b: float) -> float:
         """Piecewise-linear in B through the profiled sizes, extended along the end segments."""
         x = self._x

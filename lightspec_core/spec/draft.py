@@ -7,11 +7,11 @@ import torch
 
 from ..stages.contract import ModelCall, pack_block_tables
 from ..stages.executor import Executor
-from .proposer import Proposal, drafting, sampling_arrays
+from .proposer import Proposal, StatelessProposer, drafting, sampling_arrays
 from .sampling import probs_from_logits
 
 
-class DraftModelProposer:
+class DraftModelProposer(StatelessProposer):
     """A small causal LM on the ``draft`` stage with its own KV pool, addressed by the same block
     tables as the target's (the lookahead blocks reserved for drafts cover its writes).
 
@@ -21,6 +21,10 @@ class DraftModelProposer:
 
     def __init__(self, executor: Executor):
         self.executor = executor
+
+    def after_verify(self, seq, result, b, rows, drafted, accepted, proposal) -> None:
+        # K/V the draft model wrote for drafts beyond the verified length is stale: recompute from there
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed)
 
     def _pick(self, seqs, logits: np.ndarray, top1: np.ndarray) -> tuple[list[int], list[np.ndarray | None]]:
         """``logits``: the rows of the sampled requests only, in order."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ..stages.contract import MTPCall
@@ -9,20 +11,42 @@ from ..stages.executor import Executor
 from .acceptance import ConfidenceStats
 from .proposer import Proposal, drafting, sampling_arrays
 
+log = logging.getLogger("lightspec")
+
 
 class MTPProposer:
-    """Chain of the target's MTP heads, run on the ``mtp`` stage. With ``confidence`` (the dynamic
-    policy's calibration of head confidence against acceptance) a request's chain stops at its
-    floor (see ``MTPCall``), and each draft's confidence comes back for the calibration.
+    """Chain of the target's MTP heads, run on the ``mtp`` stage.
 
-    A greedy request whose drafts the target stage already proposed (fused MTP, see
-    ``ModelCall.mtp_drafts``) takes them instead, cut at the same confidence floor; the others (sampled
-    requests, or none proposed) go to the ``mtp`` stage, given a hidden state to start from."""
+    ``fused``: the target stage runs the heads right after its forward and returns each greedy
+    request's next drafts with its result (``ModelCall.mtp_drafts``); such a request takes those,
+    and the others (sampled requests, or none proposed) go to the ``mtp`` stage from the hidden
+    state the target returned. ``confidence_stop``: a request's chain stops at the policy's gain
+    floor (see ``MTPCall``), judged by the heads' confidence, which this proposer calibrates
+    against acceptance (:class:`ConfidenceStats`) from every verified draft."""
 
-    def __init__(self, executor: Executor, max_k: int, confidence: ConfidenceStats | None = None):
+    def __init__(self, executor: Executor, max_k: int, fused: bool = False, confidence_stop: bool = False):
         self.executor = executor
         self.max_k = max_k
-        self.confidence = confidence
+        self.fused = fused
+        self.confidence = ConfidenceStats(max_k) if confidence_stop else None
+
+    def target_inputs(self, seqs, samples) -> dict[str, np.ndarray]:
+        greedy = [s.params.greedy for s in seqs]
+        # with fused drafts, only sampled requests draft from a hidden state in this process
+        inputs = {"return_hidden": np.array([not self.fused or not all(greedy)])}
+        if self.fused:
+            inputs["mtp_drafts"] = np.array([s.draft_cap(self.max_k) if smp and g else 0
+                                             for s, smp, g in zip(seqs, samples, greedy)], np.int32)
+            inputs["mtp_conf"] = np.array([self.confidence is not None])
+        return inputs
+
+    def after_verify(self, seq, result, b, rows, drafted, accepted, proposal) -> None:
+        sampled = not seq.params.greedy
+        if drafted and proposal.conf is not None and self.confidence is not None:
+            self.confidence.observe(proposal.conf, accepted, sampled)
+        seq.last_hidden = result.hidden[rows[accepted]] if len(result.hidden) else None
+        if len(result.accepted) and not sampled:
+            _keep_fused(seq, result, b, accepted)
 
     def propose(self, seqs, ks, tables, floors=None):
         idx, out = drafting(ks)
@@ -75,3 +99,20 @@ class MTPProposer:
                 drafts, conf = drafts[:j], conf[:j]
                 break
         return Proposal(drafts, None, conf, fused=True)
+
+
+def _keep_fused(seq, res, b: int, accepted: int) -> None:
+    """Keep the drafts the target stage proposed for this request's next step. They continue from
+    the stage's own greedy verification, which must agree with the engine's."""
+    seq.fused_ids = seq.fused_conf = None
+    if int(res.accepted[b]) < 0:  # none asked for (no sample row, or no draft allowed)
+        return
+    if int(res.accepted[b]) != accepted:
+        log.warning("fused MTP: stage accepted %d drafts of %s, the engine %d; drafts dropped",
+                    int(res.accepted[b]), seq.request_id, accepted)
+        return
+    row = res.next_draft_ids[b]
+    n = int((row >= 0).sum())
+    seq.fused_ids = row[:n].tolist()
+    seq.fused_conf = res.next_draft_conf[b, :n].tolist()
+    seq.fused_at = seq.num_tokens

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .proposer import EMPTY, Proposal
+from .proposer import EMPTY, Proposal, StatelessProposer
 
 
-class NgramProposer:
+class NgramProposer(StatelessProposer):
     """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from
     ``n_max`` down to ``n_min``) in the request's own history and propose what followed it."""
 

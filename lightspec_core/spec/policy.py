@@ -20,14 +20,9 @@ T = 10 ms + 1 ms per slot: G(0) = 0.1, G(1) = 1.8/11, ... G(4) = 3.36/14: all fo
 requests with 10 ms fixed and 1 ms per slot, G(0) = 64/74 tokens/ms, so only requests whose gains
 exceed about 0.86 draft.
 
-Objective ``latency`` (``policy: dynamic:latency``): maximise B · HM(E) / T instead, HM the harmonic
-mean of the decoding requests' E_i, i.e. minimise T · Σ 1/E_i, the running requests' mean latency.
-G rewards every expected token alike, so it drafts deep for the requests that accept and every
-step gets longer for all of them; in a closed loop throughput is concurrency / mean latency
-(Little's law), and the requests that cannot speculate, slowed by those longer steps, come to
-hold most of the slots. Here a slot's value is how much it lowers 1/E_i, g_{i,j} / (E_{i,j-1} E_{i,j}):
-the same allocation machinery (values fall with j, so slots still form prefixes), exact with one
-cost for all. With identical requests both objectives choose alike.
+The plain-Python allocation (:meth:`DynamicPolicy._allocate_lists`) is the reference; the numpy one
+(:meth:`DynamicPolicy._allocate_arrays`) is its fast path for many requests, and a test holds the two
+equal.
 """
 
 from __future__ import annotations
@@ -81,6 +76,17 @@ class PolicyBatch:
         return cls(np.array(limits, np.int64), alphas, np.array([r.sampled for r in reqs], bool))
 
 
+@dataclass
+class Decision:
+    """What a policy chose for a step's decoding requests, in the order it was given them."""
+
+    ks: list[int]  # draft tokens per request
+    # per request, the least cumulative acceptance probability worth a draft (goodput x the draft's
+    # cost: a draft pays when its expected tokens per second beat the step's); for the MTP heads'
+    # confidence stop, None when the policy does not compute them or drafted nothing
+    floors: list[float] | None = None
+
+
 class DynamicPolicy:
     """Goodput-maximising k per request (see the module docstring).
 
@@ -88,145 +94,118 @@ class DynamicPolicy:
     proposer cost would never be measured again, and one unlucky early measurement would switch
     speculation off for good (the failure of acceptance-threshold schedules). So every
     ``probe_every``-th decision that drafts nothing instead gives each eligible request one draft
-    token: a bounded exploration cost (one extra verified token per request every N steps)."""
+    token: a bounded exploration cost (one extra verified token per request every N steps).
+    ``floors``: also return each request's gain floor (the MTP confidence stop's input)."""
 
     name = "dynamic"
 
-    def __init__(self, cost: CostModel, probe_every: int = 8, objective: str = "goodput"):
-        if objective not in ("goodput", "latency"):
-            raise ValueError(f"objective={objective!r}: expected goodput or latency")
+    def __init__(self, cost: CostModel, probe_every: int = 8, floors: bool = False):
         self.cost = cost
         self.probe_every = probe_every
-        self.latency = objective == "latency"
+        self.floors = floors
         self._idle = 0
-        # per request of the last decision: the least cumulative acceptance probability worth a
-        # draft, goodput x the draft's cost (a draft pays when its expected tokens per second beat
-        # the step's); [] when nothing was drafted or on a probe. The MTP runner stops a request's
-        # chain below it, knowing each draft's confidence (see ConfidenceStats). Computed only when
-        # ``floors_wanted`` (the engine has a confidence stop)
-        self.gain_floors: list[float] = []
-        self.floors_wanted = False
 
     def choose(self, reqs: list[PolicyInput] | PolicyBatch, base_tokens: int, token_budget: int, context: int = 0,
-               prefill: int = 0, requests: int | None = None) -> list[int]:
+               prefill: int = 0, requests: int | None = None) -> Decision:
         """``base_tokens``: the step's tokens before drafts, ``prefill`` of them prompt chunks;
         ``requests``: requests in the step (default: one token each); ``context``: KV slots read."""
         if requests is None:
             requests = base_tokens - prefill
         if not isinstance(reqs, PolicyBatch):
             reqs = PolicyBatch.of(reqs)
-        self.gain_floors = []
-        ks = self._allocate(reqs, base_tokens, token_budget, context, prefill, requests)
+        ks, rate, costs = self._allocate(reqs, base_tokens, token_budget, context, prefill, requests)
         if any(ks):
             self._idle = 0
-            return ks
+            return Decision(ks, [rate * c for c in costs] if self.floors else None)
         self._idle += 1
         if self.probe_every and self._idle >= self.probe_every:
             self._idle = 0
             room = token_budget - base_tokens
             ks = [1 if lim > 0 and i < room else 0 for i, lim in enumerate(list(reqs.limits))]
-        return ks
+        return Decision(ks)
 
-    def _allocate(self, reqs: PolicyBatch, base_tokens: int, token_budget: int, context: int,
-                  prefill: int, requests: int) -> list[int]:
+    def _allocate(self, reqs: PolicyBatch, base_tokens: int, token_budget: int, context: int, prefill: int,
+                  requests: int) -> tuple[list[int], float, list[float]]:
+        """(k per request, the chosen step's goodput in tokens/s, seconds per draft per request)."""
         b = len(reqs)
         room = token_budget - base_tokens
-        if reqs.small:
-            lims = [lim if lim > 0 else 0 for lim in reqs.limits]
-            big_k = max(lims, default=0)
-        else:
-            lims = np.clip(reqs.limits, 0, reqs.alphas.shape[1])
-            big_k = int(lims.max(initial=0))
-        if big_k == 0 or room <= 0:
-            return [0] * b
+        lims = [max(int(lim), 0) for lim in reqs.limits]
+        if not lims or max(lims) == 0 or room <= 0:
+            return [0] * b, 0.0, []
         cost = self.cost
         t0 = cost.step_seconds(requests, 0, context, prefill=prefill)
         slot, extra = cost.per_slot(requests), cost.sampled_extra
+        costs = [slot + extra if smp else slot for smp in reqs.sampled]  # seconds per draft, per request
         terms = (float(base_tokens - prefill), t0, t0 + cost.propose_fixed, cost.per_depth)
-        if reqs.small:  # plain Python: a few requests (see PolicyBatch)
-            costs = [slot + extra if smp else slot for smp in reqs.sampled]  # seconds per draft, per request
-            ks, rate = self._allocate_small(reqs.alphas, lims, room, costs, *terms, latency=self.latency)
-            if rate and self.floors_wanted:
-                self.gain_floors = [rate * c for c in costs]
-            return ks
-        costs = np.where(reqs.sampled, slot + extra, slot)
-        alphas = np.where(np.arange(big_k) < lims[:, None], reqs.alphas[:, :big_k], 0.0)
-        gains = np.cumprod(np.clip(alphas, 0.0, 1.0), axis=1)  # g_{i,j}; 0 beyond a request's limit
-        base, t0, fixed, per_depth = terms
-        raw = gains.ravel()
-        if self.latency:  # value of a slot: how much it lowers the request's 1/E_i
-            e = 1.0 + np.cumsum(gains, axis=1)
-            gains = gains / ((e - gains) * e)
-        flat = gains.ravel()
-        slot_cost = np.repeat(costs, big_k)
-        # best gain per second first (with one cost for all: largest gain first); ties keep j ascending
-        order = np.argsort(-(flat / slot_cost), kind="stable")
-        order = order[: int(np.count_nonzero(flat > 0))]
-        if not len(order):
-            return [0] * b
-        # Every depth cap d at once, one row each: the slots of depth <= d in that order, at most
-        # ``room`` of them; goodput of each prefix of each row (cumulative sums), the best cell wins
-        # (row-major argmax: ties go to the smaller d and the shorter prefix)
-        level = order % big_k + 1  # the draft position each slot fills
-        usable = level <= np.arange(1, big_k + 1)[:, None]  # [d, slot]
-        usable &= np.cumsum(usable, axis=1) <= room
-        depth = np.maximum.accumulate(np.where(usable, level, 0), axis=1)
-        seconds = fixed + np.cumsum(np.where(usable, slot_cost[order], 0.0), axis=1) + per_depth * depth
-        gained = np.cumsum(np.where(usable, flat[order], 0.0), axis=1)
-        if self.latency:  # base x harmonic mean of E_i / T: sum 1/E_i starts at base (E_i = 1)
-            good = base * base / ((base - gained) * seconds)
-        else:
-            good = (base + gained) / seconds
-        good[~usable] = -np.inf
-        at = int(good.argmax())
-        if not good.flat[at] > base / t0:  # base: tokens the decoding requests produce without drafts
-            return [0] * b
-        d, j = divmod(at, len(order))
-        best = order[: j + 1][usable[d, : j + 1]]
-        if self.floors_wanted:
-            rate = (base + float(raw[best].sum())) / float(seconds[d, j])
-            self.gain_floors = (rate * costs).tolist()
-        return np.bincount(best // big_k, minlength=b).tolist()
+        fn = _allocate_lists if reqs.small else _allocate_arrays
+        ks, rate = fn(reqs.alphas, lims, room, costs, *terms)
+        return ks, rate, costs
 
-    @staticmethod
-    def _allocate_small(alphas, lims, room, costs, base, t0, fixed, per_depth,
-                        latency: bool = False) -> tuple[list[int], float]:
-        """The same optimum as the numpy path, for a few requests (``alphas``: one list per
-        request); also its goodput (tokens/s, 0.0 when nothing is drafted)."""
-        slots = []  # (-value per second, request, position, value, gain): best first, positions ascending
-        for i, (a, lim) in enumerate(zip(alphas, lims)):
-            g, e = 1.0, 1.0
-            for j in range(lim):
-                g *= min(max(a[j], 0.0), 1.0)
-                if g <= 0.0:
-                    break
-                v = g / (e * (e + g)) if latency else g  # latency: how much the slot lowers 1/E_i
-                e += g
-                slots.append((-v / costs[i], i, j, v, g))
-        slots.sort()
-        best_g, best, rate = base / t0, None, 0.0
-        for d in range(1, max(lims) + 1):
-            e, n, depth, spent, tokens = base, 0, 0, 0.0, base
-            for _, i, j, gain, g in slots:
-                if j >= d:
-                    continue
-                if n == room:
-                    break
-                n += 1
-                e += gain
-                tokens += g
-                spent += costs[i]
-                depth = max(depth, j + 1)
-                seconds = fixed + spent + per_depth * depth
-                value = base * base / ((2 * base - e) * seconds) if latency else e / seconds
-                if value > best_g:
-                    best_g, best, rate = value, (d, n), tokens / seconds
-        ks = [0] * len(alphas)
-        if best is not None:
-            d, n = best
-            for x in [x for x in slots if x[2] < d][:n]:
-                ks[x[1]] += 1
-        return ks, rate
+
+def _allocate_lists(alphas, lims: list[int], room: int, costs: list[float], base: float, t0: float, fixed: float,
+                    per_depth: float) -> tuple[list[int], float]:
+    """The reference allocation, in plain Python (fast for a few requests: see PolicyBatch). Slots
+    (request i, position j) with gain g_{i,j} are taken best gain per second first; for each depth
+    cap d, every prefix of that order is a candidate step, and the best goodput wins. Returns
+    (k per request, its goodput in tokens/s; 0.0 when drafting does not beat ``base / t0``)."""
+    slots = []  # (-gain per second, request, position, gain): best first, positions ascending
+    for i, (a, lim) in enumerate(zip(alphas, lims)):
+        g = 1.0
+        for j in range(min(lim, len(a))):
+            g *= min(max(float(a[j]), 0.0), 1.0)
+            if g <= 0.0:
+                break
+            slots.append((-g / costs[i], i, j, g))
+    slots.sort()
+    best_g, best, rate = base / t0, None, 0.0
+    for d in range(1, max(lims) + 1):
+        usable = [x for x in slots if x[2] < d][:room]
+        tokens, spent, depth = base, 0.0, 0
+        for n, (_, i, j, g) in enumerate(usable, 1):
+            tokens += g
+            spent += costs[i]
+            depth = max(depth, j + 1)
+            value = tokens / (fixed + spent + per_depth * depth)
+            if value > best_g:
+                best_g, best, rate = value, (d, n), value
+    ks = [0] * len(alphas)
+    if best is not None:
+        d, n = best
+        for x in [x for x in slots if x[2] < d][:n]:
+            ks[x[1]] += 1
+    return ks, rate
+
+
+def _allocate_arrays(alphas: np.ndarray, lims: list[int], room: int, costs: list[float], base: float, t0: float,
+                     fixed: float, per_depth: float) -> tuple[list[int], float]:
+    """:func:`_allocate_lists` vectorised over every depth cap at once (many requests)."""
+    b = len(lims)
+    lim = np.minimum(np.asarray(lims), alphas.shape[1])
+    big_k = int(lim.max())
+    alphas = np.where(np.arange(big_k) < lim[:, None], alphas[:, :big_k], 0.0)
+    flat = np.cumprod(np.clip(alphas, 0.0, 1.0), axis=1).ravel()  # g_{i,j}; 0 beyond a request's limit
+    slot_cost = np.repeat(np.asarray(costs), big_k)
+    # best gain per second first (with one cost for all: largest gain first); ties keep j ascending
+    order = np.argsort(-(flat / slot_cost), kind="stable")
+    order = order[: int(np.count_nonzero(flat > 0))]
+    if not len(order):
+        return [0] * b, 0.0
+    # one row per depth cap d: the slots of depth <= d in that order, at most ``room`` of them;
+    # goodput of every prefix of every row by cumulative sums (row-major argmax: ties go to the
+    # smaller d and the shorter prefix, as in the reference)
+    level = order % big_k + 1  # the draft position each slot fills
+    usable = level <= np.arange(1, big_k + 1)[:, None]  # [d, slot]
+    usable &= np.cumsum(usable, axis=1) <= room
+    depth = np.maximum.accumulate(np.where(usable, level, 0), axis=1)
+    seconds = fixed + np.cumsum(np.where(usable, slot_cost[order], 0.0), axis=1) + per_depth * depth
+    good = (base + np.cumsum(np.where(usable, flat[order], 0.0), axis=1)) / seconds
+    good[~usable] = -np.inf
+    at = int(good.argmax())
+    if not good.flat[at] > base / t0:  # base: tokens the decoding requests produce without drafts
+        return [0] * b, 0.0
+    d, j = divmod(at, len(order))
+    best = order[: j + 1][usable[d, : j + 1]]
+    return np.bincount(best // big_k, minlength=b).tolist(), float(good.flat[at])
 
 
 class StaticPolicy:
@@ -235,11 +214,11 @@ class StaticPolicy:
         self.name = f"static:{k}"
 
     def choose(self, reqs: list[PolicyInput] | PolicyBatch, base_tokens: int, token_budget: int, context: int = 0,
-               prefill: int = 0, requests: int | None = None) -> list[int]:
+               prefill: int = 0, requests: int | None = None) -> Decision:
         room = token_budget - base_tokens
         ks = []
         for limit in (list(reqs.limits) if isinstance(reqs, PolicyBatch) else [r.limit for r in reqs]):
             k = max(0, min(self.k, limit, room))
             room -= k
             ks.append(k)
-        return ks
+        return Decision(ks)

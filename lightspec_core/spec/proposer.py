@@ -1,18 +1,23 @@
-"""Draft proposers behind one small protocol, one class per method.
+"""Draft proposers behind one small protocol, one class per method (``mtp``, ``draft``, ``ngram``).
 
 ``propose(seqs, ks)`` returns, for each sequence, its draft token ids (at most ``ks[i]``) and the
 proposal distribution q [k, V] they were drawn from (``None`` for a deterministic proposer, which
-rejection sampling treats as a point mass).
+rejection sampling treats as a point mass). Two hooks let a proposer ride on the target's step
+without the engine knowing what it does there: ``target_inputs`` adds fields to the target call
+(the MTP heads want hidden states, or their drafts fused into the target stage), and
+``after_verify`` takes what it needs from the verified result.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..engine.sequence import Sequence
+if TYPE_CHECKING:
+    from ..engine.sequence import Sequence
+    from ..stages.contract import ModelResult
 
 
 @dataclass
@@ -28,6 +33,17 @@ class Proposer(Protocol):
                 floors: list[float] | None = None) -> list[Proposal]:
         """``floors``: per request, the least cumulative acceptance probability worth a draft (a
         proposer that can estimate one stops drafting below it; the others ignore it)."""
+        ...
+
+    def target_inputs(self, seqs: list[Sequence], samples: list[bool]) -> dict[str, np.ndarray]:
+        """Fields of the step's target call (``ModelCall``) this proposer sets; ``samples[b]``:
+        request b's outputs are verified this step."""
+        ...
+
+    def after_verify(self, seq: Sequence, result: ModelResult, b: int, rows: list[int], drafted: int,
+                     accepted: int, proposal: Proposal) -> None:
+        """Request ``b`` of the step verified ``accepted`` of its ``drafted`` drafts; ``rows``: its
+        rows of the result. Called after the accepted tokens were appended."""
         ...
 
 
@@ -46,6 +62,16 @@ def drafting(ks: list[int]) -> tuple[list[int], list[Proposal]]:
     return [i for i, k in enumerate(ks) if k > 0], [EMPTY] * len(ks)
 
 
-class NoProposer:
+class StatelessProposer:
+    """A proposer that needs nothing from the target's step (the protocol's hooks as no-ops)."""
+
+    def target_inputs(self, seqs, samples) -> dict[str, np.ndarray]:
+        return {}
+
+    def after_verify(self, seq, result, b, rows, drafted, accepted, proposal) -> None:
+        pass
+
+
+class NoProposer(StatelessProposer):
     def propose(self, seqs, ks, tables, floors=None):
         return [EMPTY for _ in seqs]

@@ -1,10 +1,11 @@
-"""Stage contract (what crosses the engine <-> stage boundary) and the stage calls' dataclasses.
+"""The stage contract: what crosses the engine <-> stage boundary, defined once here.
 
 The engine never touches torch modules directly: it sends plain numpy dataclasses to a stage
-through an :class:`Executor` and gets plain numpy dataclasses back. ``LocalExecutor`` calls the
-runners below in this process; the Triton backend's BLS executor sends the same fields, under the
-same names, as tensors to stage models that wrap the same runners. So every field here is a
-tensor name of the stage models (see README "Stage models").
+through an ``Executor`` and gets plain numpy dataclasses back. ``LocalExecutor`` calls the runners
+in this process; the Triton backend's BLS executor sends the same fields, under the same names, as
+tensors to stage models that wrap the same runners. So every field here is a tensor of the stage
+models' config.pbtxt (``lightspec_backend.repository`` writes them, and a test holds the two equal;
+see docs/serving.md).
 """
 
 from __future__ import annotations
@@ -94,3 +95,16 @@ def from_tensors(cls, tensors: dict[str, np.ndarray]):
     if missing:
         raise ValueError(f"{cls.__name__}: missing tensors {missing}")
     return cls(**{f.name: tensors[f.name] for f in fields(cls)})
+
+
+@dataclass
+class ProfileCall:
+    """Ask a stage for its cost profile (see ``calibrate``): it times itself while it loads and
+    answers from that, or times itself now for a profile it did not take."""
+
+    profile_spec: np.ndarray  # bytes [1]: ``ProfileSpec.to_json()``
+
+
+@dataclass
+class ProfileResult:
+    profile: np.ndarray  # bytes [1]: JSON, ``VerifyCost.to_dict()`` or the ``ProposeCost`` fields

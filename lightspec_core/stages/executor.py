@@ -7,6 +7,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+from ..spec.calibrate import ProfileSpec, profile_propose, profile_verify
+from ..spec.cost import ProposeCost, VerifyCost
+
 
 class Executor(Protocol):
     """How the engine reaches its stages. ``submit`` must not block on the stage's work when the
@@ -15,6 +18,11 @@ class Executor(Protocol):
     :func:`submit_timed`)."""
 
     def submit(self, stage: str, call) -> Future: ...
+
+    def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
+        """The stage's cost profile for ``spec`` (see ``calibrate``): ``target`` gives a
+        ``VerifyCost``, a proposer stage a ``ProposeCost``. Timed where the stage runs."""
+        ...
 
     def close(self) -> None: ...
 
@@ -55,6 +63,7 @@ class LocalExecutor:
     def __init__(self, runners: dict[str, object], threaded: bool = False):
         self.runners = runners
         self.threaded = threaded
+        self._profiles: dict[tuple[str, str], VerifyCost | ProposeCost] = {}  # (stage, spec JSON) -> profile
         self._pools = {name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in runners} if threaded else {}
 
     def submit(self, stage: str, call) -> Future:
@@ -64,6 +73,15 @@ class LocalExecutor:
         fut: Future = Future()
         _settle(fut, runner.execute, call)  # a failure reaches the engine through the future, like a BLS error
         return fut
+
+    def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
+        if stage not in self.runners:
+            raise ValueError(f"stage {stage!r}: not run by this executor (runs: {sorted(self.runners)})")
+        key = (stage, spec.to_json())
+        if key not in self._profiles:  # a stage model takes its profile while it loads, then answers from it
+            timing = profile_verify if stage == "target" else profile_propose
+            self._profiles[key] = timing(self, spec, set(self.runners))
+        return self._profiles[key]
 
     def close(self) -> None:
         for p in self._pools.values():
@@ -81,6 +99,11 @@ class RoutingExecutor:
         if stage not in self.routes:
             raise ValueError(f"stage {stage!r}: no executor configured (known: {sorted(self.routes)})")
         return self.routes[stage].submit(stage, call)
+
+    def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
+        if stage not in self.routes:
+            raise ValueError(f"stage {stage!r}: no executor configured (known: {sorted(self.routes)})")
+        return self.routes[stage].profile(stage, spec)
 
     def close(self) -> None:
         for ex in {id(e): e for e in self.routes.values()}.values():

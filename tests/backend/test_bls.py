@@ -21,24 +21,27 @@ PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class A:\n    def"]
 
 
 def stage_pb(cfg: EngineConfig) -> FakePbUtils:
-    """A fake server with the three stage models registered under their default names."""
+    """A fake server with the three stage models registered under their default names (the target
+    stage with the MTP heads when the engine fuses them)."""
     target, mtp, draft = resolve_dirs(cfg)
     pb = FakePbUtils()
-    pb.models["lightspec_target"] = StageModel(Role.TARGET, ModelRunner(target, BLOCKS, BLOCK), pb)
+    heads = MTPRunner(target, mtp) if cfg.fused_mtp else None
+    pb.models["lightspec_target"] = StageModel(Role.TARGET, ModelRunner(target, BLOCKS, BLOCK, heads=heads), pb)
     pb.models["lightspec_mtp"] = StageModel(Role.MTP, MTPRunner(target, mtp), pb)
     pb.models["lightspec_draft"] = StageModel(Role.DRAFT, ModelRunner(draft, BLOCKS, BLOCK), pb)
     return pb
 
 
-def config(smoke_model, speculation: str) -> EngineConfig:
-    return EngineConfig(
-        model_dir=str(smoke_model / "target"), speculation=speculation, num_kv_blocks=BLOCKS, block_size=BLOCK
-    )
+def config(smoke_model, speculation: str, mtp: str = "lightspec_mtp") -> EngineConfig:
+    return EngineConfig(model_dir=str(smoke_model / "target"), speculation=speculation, num_kv_blocks=BLOCKS,
+                        block_size=BLOCK, mtp=mtp)
 
 
-@pytest.mark.parametrize("speculation", ["mtp", "draft", "none"])
-def test_engine_over_bls_matches_in_process_engine(smoke_model, speculation):
-    cfg = config(smoke_model, speculation)
+@pytest.mark.parametrize(("speculation", "mtp"), [("mtp", "lightspec_mtp"), ("mtp", "fused"), ("draft", "fused"),
+                                                  ("none", "fused")])
+def test_engine_over_bls_matches_in_process_engine(smoke_model, speculation, mtp):
+    """Through BLS (the stage profile fetched from the stage, which took it) as in process."""
+    cfg = config(smoke_model, speculation, mtp)
     pb = stage_pb(cfg)
     stages = {"target": "lightspec_target", "mtp": "lightspec_mtp", "draft": "lightspec_draft"}
     remote = LLMEngine(cfg, executor=BLSExecutor(stages, pb))
@@ -50,6 +53,7 @@ def test_engine_over_bls_matches_in_process_engine(smoke_model, speculation):
     finally:
         remote.close()
         local.close()
+    assert remote.cost.calibrated == local.cost.calibrated == (speculation != "none")
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     assert [o.text for o in got] == [o.text for o in want]
     assert all(o.finish_reason in ("length", "stop") for o in got)

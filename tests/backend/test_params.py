@@ -21,7 +21,8 @@ def test_empty_parameters_give_the_engine_defaults():
     assert cfg.metrics is True
     assert cfg.engine.speculation == "mtp" and cfg.engine.policy == "dynamic"
     assert cfg.engine.model_dir is None
-    assert cfg.stage_models == {"target": "lightspec_target", "mtp": "lightspec_mtp", "draft": "lightspec_draft"}
+    assert cfg.engine.mtp == "fused" and cfg.fused
+    assert cfg.stage_models == {"target": "lightspec_target", "draft": "lightspec_draft"}
 
 
 def test_strings_are_converted_to_engine_field_types():
@@ -81,7 +82,8 @@ def test_stage_models_can_be_renamed():
 @pytest.mark.parametrize(
     ("params", "stages"),
     [
-        ({}, ["target", "mtp"]),
+        ({}, ["target"]),  # mtp: fused, the default
+        ({"mtp": "lightspec_mtp"}, ["target", "mtp"]),
         ({"speculation": "none"}, ["target"]),
         ({"speculation": "ngram"}, ["target"]),
         ({"policy": "off"}, ["target"]),
@@ -119,15 +121,15 @@ def test_kv_geometry_mismatch_with_a_stage_is_a_load_error(tmp_path):
 
 def test_missing_stage_config_is_only_a_note(tmp_path):
     repo = write_model_repository(tmp_path)
-    cfg = parse_backend_config({"target_model": "elsewhere", "mtp_model": "local"}, base_dir=repo)
+    cfg = parse_backend_config({"target_model": "elsewhere", "mtp": "local"}, base_dir=repo)
     notes = check_stage_configs(cfg, repo)
     assert len(notes) == 1 and "elsewhere" in notes[0]
 
 
 def test_stage_with_wrong_role_is_rejected(tmp_path):
     repo = write_model_repository(tmp_path)
-    cfg = parse_backend_config({"mtp_model": "lightspec_draft"}, base_dir=repo)
-    with pytest.raises(ValueError, match="mtp_model='lightspec_draft'"):
+    cfg = parse_backend_config({"mtp": "lightspec_draft"}, base_dir=repo)
+    with pytest.raises(ValueError, match="mtp='lightspec_draft'"):
         check_stage_configs(cfg, repo)
 
 
@@ -156,37 +158,41 @@ def test_missing_checkpoint_names_the_parameter(tmp_path, smoke_model):
 def test_local_mtp_runs_in_the_orchestrator_and_needs_no_stage_model():
     from lightspec_backend.repository import render_repository
 
-    cfg = parse_backend_config({"mtp_model": "local", "speculation": "mtp"})
+    cfg = parse_backend_config({"mtp": "local", "speculation": "mtp"})
     assert cfg.stages_in_use() == ["target"] and cfg.local_stage("mtp")
-    assert set(render_repository({"mtp_model": "local"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
-    assert parse_backend_config({"speculation": "mtp"}).stages_in_use() == ["target", "mtp"]
+    assert set(render_repository({"mtp": "local"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
+    assert parse_backend_config({"speculation": "mtp", "mtp": "lightspec_mtp"}).stages_in_use() == ["target", "mtp"]
+    assert parse_backend_config({"speculation": "mtp"}).stages_in_use() == ["target"]  # fused: the default
 
 
 def test_fused_mtp_loads_the_heads_into_the_target_stage(tmp_path, smoke_model):
-    """``mtp_model: fused``: the engine gets fused drafts from the target stage (which the generated
-    repository gives ``mtp_heads: on`` and the heads' checkpoint), no MTP stage model is needed,
-    and a target stage without the heads is a load error naming the parameter."""
+    """``mtp: fused`` (the default): the engine gets fused drafts from the target stage (which loads
+    the heads from the same ``mtp`` and ``speculation`` the generated repository gives it), no MTP
+    stage model is needed, and a target stage without the heads is a load error naming ``mtp``."""
     from lightspec_backend.repository import render_repository
 
-    cfg = parse_backend_config({"mtp_model": "fused", "speculation": "mtp"})
+    cfg = parse_backend_config({"mtp": "fused", "speculation": "mtp"})
     assert cfg.engine.fused_mtp and cfg.fused and cfg.local_stage("mtp") and cfg.stages_in_use() == ["target"]
-    assert not parse_backend_config({"mtp_model": "local"}).engine.fused_mtp
-    assert set(render_repository({"mtp_model": "fused"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
-    repo = write_model_repository(tmp_path / "fused", {"mtp_model": "fused", "model_dir": str(smoke_model / "target")})
+    assert not parse_backend_config({"mtp": "local"}).engine.fused_mtp
+    assert set(render_repository({"mtp": "fused"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
+    repo = write_model_repository(tmp_path / "fused", {"mtp": "fused", "model_dir": str(smoke_model / "target")})
     target = parse_backend_config(read_config_parameters(repo / "lightspec_target" / "config.pbtxt"), base_dir=repo)
-    assert target.mtp_heads
+    assert target.loads_heads
     check_checkpoints(target)  # the smoke family has heads
     orch = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"), base_dir=repo)
     assert check_stage_configs(orch, repo) == []
-    plain = write_model_repository(tmp_path / "plain", {"model_dir": str(smoke_model / "target"), "mtp_model": "local"})
-    with pytest.raises(ValueError, match=r"mtp_model='fused': stage model 'lightspec_target' does not load the MTP heads"):
-        check_stage_configs(parse_backend_config({"mtp_model": "fused", "model_dir": str(smoke_model / "target")},
+    plain = write_model_repository(tmp_path / "plain", {"model_dir": str(smoke_model / "target"), "mtp": "local"})
+    with pytest.raises(ValueError, match=r"mtp='fused': stage model 'lightspec_target' does not load the MTP heads"):
+        check_stage_configs(parse_backend_config({"mtp": "fused", "model_dir": str(smoke_model / "target")},
                                                  base_dir=plain), plain)
-    with pytest.raises(ValueError, match="mtp_heads='on': only a target stage"):
-        parse_backend_config({"mtp_heads": "on", "role": "draft"})
-    assert not parse_backend_config({"mtp_model": "fused", "speculation": "ngram"}).engine.fused_mtp
-    with pytest.raises(ValueError, match="parameter fused_mtp='on': unknown parameter"):
-        parse_backend_config({"fused_mtp": "on"})
+    assert not parse_backend_config({"role": "draft", "mtp": "fused"}).loads_heads  # only a target stage
+    assert not parse_backend_config({"mtp": "fused", "speculation": "ngram"}).engine.fused_mtp
     with pytest.raises(ValueError, match=r"parameter mtp_dir='.*nowhere'"):
-        check_checkpoints(parse_backend_config({"role": "target", "mtp_heads": "on", "model_dir": str(smoke_model / "target"),
+        check_checkpoints(parse_backend_config({"role": "target", "model_dir": str(smoke_model / "target"),
                                                 "mtp_dir": str(tmp_path / "nowhere")}))
+
+
+@pytest.mark.parametrize("old", ["mtp_model", "mtp_heads", "fused_mtp"])
+def test_a_parameter_folded_into_mtp_fails_naming_its_replacement(old):
+    with pytest.raises(ValueError, match=rf"parameter {old}='on': replaced by mtp \(fused, local or"):
+        parse_backend_config({old: "on"})

@@ -45,7 +45,7 @@ def test_orchestrator_config_is_decoupled_and_declares_the_contract():
         "pipeline_depth",
         "metrics",
         "target_model",
-        "mtp_model",
+        "mtp",
         "draft_model",
         "model_dir",
         "mtp_dir",
@@ -56,7 +56,7 @@ def test_orchestrator_config_is_decoupled_and_declares_the_contract():
 
 @pytest.mark.parametrize("name", ["lightspec_target", "lightspec_mtp", "lightspec_draft"])
 def test_stage_configs_are_plain_cpu_models(name):
-    cfg = parse(render_repository({"mtp_model": "lightspec_mtp"})[name])
+    cfg = parse(render_repository({"mtp": "lightspec_mtp"})[name])
     assert not cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     assert cfg.instance_group[0].count == 1
@@ -70,12 +70,13 @@ def test_stage_tensor_tables_match_the_stage_dataclasses():
 def test_overrides_reach_the_stages_that_use_them(tmp_path):
     repo = write_model_repository(
         tmp_path,
-        {"model_dir": "/ckpt/target", "num_kv_blocks": 48, "num_threads": 1, "target_model": "big", "mtp_model": "lightspec_mtp"},
+        {"model_dir": "/ckpt/target", "num_kv_blocks": 48, "num_threads": 1, "target_model": "big", "mtp": "lightspec_mtp"},
     )
     target = read_config_parameters(repo / "big" / "config.pbtxt")
     assert target["role"] == "target" and target["num_kv_blocks"] == "48" and target["model_dir"] == "/ckpt/target"
     mtp = read_config_parameters(repo / "lightspec_mtp" / "config.pbtxt")
-    assert "num_kv_blocks" not in mtp and mtp["num_threads"] == "1"
+    # the MTP stage reads the KV geometry only for its profile, which must be the orchestrator's
+    assert mtp["num_kv_blocks"] == "48" and mtp["num_threads"] == "1" and mtp["mtp"] == "lightspec_mtp"
     orch = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"))
     assert orch.stage_models["target"] == "big" and orch.engine.num_kv_blocks == 48
 

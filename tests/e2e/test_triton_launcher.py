@@ -31,7 +31,7 @@ def test_stop_after_a_server_crash_leaves_no_stub_processes(tmp_path, smoke_mode
     from lightspec_backend.launcher import _orphaned_stubs
     from lightspec_backend.repository import write_model_repository
 
-    repo = write_model_repository(tmp_path / "repo", {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "8", "mtp_model": "lightspec_mtp"})
+    repo = write_model_repository(tmp_path / "repo", {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "8", "mtp": "lightspec_mtp"})
     server = TritonServer(repo, cache_dir=tmp_path / "cache").start(timeout_s=300)
     try:
         stubs = _orphaned_stubs(server.pid)

@@ -34,15 +34,15 @@ def overrides(smoke_model) -> dict[str, str]:
     # MTP as its own stage model here (the default runs the heads in the orchestrator), so the BLS
     # path to every stage is exercised; the checked-in repository test covers the default.
     return {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "64", "block_size": "16", "num_threads": "1",
-            "mtp_model": "lightspec_mtp"}
+            "mtp": "lightspec_mtp"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, overrides):
     root = tmp_path_factory.mktemp("triton")
     repo = write_model_repository(root / "repo", overrides)
-    # The target stage loads the MTP heads too, so that a variant can run with mtp_model: fused.
-    fused = write_model_repository(root / "fused", {**overrides, "mtp_model": "fused"})
+    # The target stage loads the MTP heads too, so that a variant can run with mtp: fused.
+    fused = write_model_repository(root / "fused", {**overrides, "mtp": "fused"})
     (repo / "lightspec_target" / "config.pbtxt").write_text((fused / "lightspec_target" / "config.pbtxt").read_text())
     # Not loaded at start: used to check that bad parameters fail the model load.
     bad = write_model_repository(root / "bad", {**overrides, "speculation": "eagle"})
@@ -450,9 +450,9 @@ def test_pipeline_depth_two_over_bls_matches_the_engine(server, reference):
 
 
 def test_fused_mtp_over_bls_matches_the_engine(server, reference):
-    """``mtp_model: fused``: the target stage proposes the next drafts with every step; streamed
+    """``mtp: fused``: the target stage proposes the next drafts with every step; streamed
     greedy output is still the engine's, and the drafts are counted as fused."""
-    client = load_variant(server, mtp_model="fused", policy="static:3")
+    client = load_variant(server, mtp="fused", policy="static:3")
     try:
         alt_streams_match_the_engine(server, reference, [f"def h{i}(x):" for i in range(3)], 12)
         values = wait_for(lambda: (v := metrics(server)) and metric(v, "num_requests_running", model="lightspec_alt") == 0

@@ -8,7 +8,9 @@ import pytest
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from lightspec_core.engine.engine import build_local_executor
+from lightspec_core.spec.calibrate import profile_propose, profile_verify
 from lightspec_core.spec.acceptance import ConfidenceStats
+from lightspec_core.spec.policy import Decision
 from lightspec_core.corpus import stdlib_files
 
 
@@ -162,6 +164,10 @@ class FlakyExecutor:
             return f
         return self.inner.submit(stage, call)
 
+    def profile(self, stage, spec):  # timed through this executor, so its failure reaches the profile
+        timing = profile_verify if stage == "target" else profile_propose
+        return timing(self, spec, set(self.inner.runners))
+
     def close(self):
         self.inner.close()
 
@@ -177,14 +183,21 @@ def test_stage_failure_fails_the_micro_batch_and_engine_keeps_serving(smoke_mode
     assert again.finish_reason == "length" and len(again.output_token_ids) == 4
 
 
-def test_dynamic_engine_profiles_its_stages_once_before_computing(smoke_model):
+def test_dynamic_engine_profiles_its_stages_while_it_loads(smoke_model):
     cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", max_num_seqs=8)
     eng = LLMEngine(cfg)
-    assert not eng.cost.calibrated
+    assert eng.cost.calibrated and not eng.profile_pending and eng.cost.verify.sizes.tolist() == [1, 2, 4, 8]
     out = eng.generate(["x = 1"], SamplingParams(max_tokens=8))[0]
-    assert eng.cost.calibrated and eng.cost.verify.sizes.tolist() == [1, 2, 4, 8]
     assert out.output_token_ids == LLMEngine(EngineConfig(model_dir=cfg.model_dir, speculation="none")).generate(
         ["x = 1"], SamplingParams(max_tokens=8))[0].output_token_ids
+
+
+def test_an_engine_told_to_profile_later_profiles_before_its_first_step(smoke_model):
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", max_num_seqs=8)
+    eng = LLMEngine(cfg, profile_now=False)  # a server whose stages load after the engine
+    assert not eng.cost.calibrated and eng.profile_pending
+    eng.generate(["x = 1"], SamplingParams(max_tokens=4))
+    assert eng.cost.calibrated and not eng.profile_pending
 
 
 def test_dynamic_engine_publishes_what_its_policy_believes_a_step_costs(smoke_model):
@@ -219,14 +232,13 @@ def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup, fus
     depend on measured stage times; a fixed floor of 0.5 makes the stops certain here.)"""
     root, prompts, params, ref = exactness_setup
     eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="dynamic",
-                                 confidence_stop=True, fused_mtp=fused))
+                                 confidence_stop=True, mtp="fused" if fused else "local"))
     policy, choose = eng.scheduler.policy, eng.scheduler.policy.choose
-    assert policy.floors_wanted  # the policy computes floors for this engine's stop
+    assert policy.floors  # the policy computes floors for this engine's stop
 
     def choose_with_floor(reqs, *args, **kw):
-        ks = choose(reqs, *args, **kw)
-        policy.gain_floors = [0.5] * len(reqs) if any(ks) else []
-        return ks
+        ks = choose(reqs, *args, **kw).ks
+        return Decision(ks, [0.5] * len(ks) if any(ks) else None)
 
     policy.choose = choose_with_floor
     try:
@@ -238,13 +250,13 @@ def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup, fus
     assert sum(o.num_accepted_tokens for o in outs) > 0
     if fused:  # the stop cut the target stage's drafts, with the confidences it returned
         assert eng.stats.counters["spec_decode_num_fused_drafts_total"] == sum(o.num_draft_tokens for o in outs)
-        learned = eng.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()
+        learned = eng.proposer.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()
         assert learned[0, :, 1:].any(), "only the zero-confidence bucket learned: no confidences came back"
-    assert (eng.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()).any()
+    assert (eng.proposer.confidence.table() != ConfidenceStats(eng.scheduler.max_k).table()).any()
     outs, eng = run(root, prompts, params, speculation="mtp", policy="dynamic")  # the default: off
     assert [o.output_token_ids for o in outs] == ref
-    assert eng.confidence is None and eng.stats.counters["spec_decode_num_stopped_drafts_total"] == 0
-    assert not eng.scheduler.policy.floors_wanted
+    assert eng.proposer.confidence is None and eng.stats.counters["spec_decode_num_stopped_drafts_total"] == 0
+    assert not eng.scheduler.policy.floors
 
 
 def test_on_launched_runs_once_per_step_between_launch_and_completion(smoke_model):
@@ -274,7 +286,7 @@ def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_
     root, prompts, params, ref = exactness_setup
     kw = dict(num_kv_blocks=40, block_size=8) if tiny_pool else {}
     eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="static:3",
-                                 pipeline_depth=depth, fused_mtp=True, **kw))
+                                 pipeline_depth=depth, mtp="fused", **kw))
     calls = []
     submit = eng.executor.submit
     eng.executor.submit = lambda stage, call: (calls.append(stage) if stage == "mtp" else None) or submit(stage, call)
@@ -292,7 +304,8 @@ def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_
         assert calls, "sampled requests draft on the mtp stage"
     finally:
         eng.close()
-    plain, _ = run(root, prompts[:4], mixed, speculation="mtp", policy="static:3", pipeline_depth=depth, **kw)
+    plain, _ = run(root, prompts[:4], mixed, speculation="mtp", policy="static:3", pipeline_depth=depth, mtp="local",
+                   **kw)
     assert [o.output_token_ids for o in fused_out] == [o.output_token_ids for o in plain]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from lightspec_core.spec.acceptance import AcceptanceStats, ConfidenceStats, request_alphas
 from lightspec_core.spec.cost import CostModel
-from lightspec_core.spec.policy import DynamicPolicy, PolicyInput, StaticPolicy
+from lightspec_core.spec.policy import DynamicPolicy, PolicyInput, StaticPolicy, _allocate_lists
 
 
 def _policy(c0, c_tok, c_draft=0.0, p0=0.0):
@@ -18,13 +18,13 @@ def _policy(c0, c_tok, c_draft=0.0, p0=0.0):
 
 def test_cheap_verification_speculates_to_the_limit():
     pol = _policy(c0=10e-3, c_tok=0.05e-3)
-    assert pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=512) == [4]
+    assert pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=512).ks == [4]
 
 
 def test_expensive_tokens_at_high_load_disable_low_acceptance_drafts():
     pol = _policy(c0=10e-3, c_tok=1e-3)
     reqs = [PolicyInput(4, [0.3] * 4) for _ in range(63)] + [PolicyInput(4, [0.99] * 4)]
-    ks = pol.choose(reqs, base_tokens=64, token_budget=1024)
+    ks = pol.choose(reqs, base_tokens=64, token_budget=1024).ks
     assert ks[:63] == [0] * 63  # G = 64/74 tokens/ms > 0.3 / 1
     assert ks[63] == 4  # 0.99^j stays above G
 
@@ -32,7 +32,7 @@ def test_expensive_tokens_at_high_load_disable_low_acceptance_drafts():
 def test_goodput_is_not_lowered_by_any_single_change():
     pol = _policy(c0=5e-3, c_tok=0.4e-3, c_draft=0.1e-3)
     reqs = [PolicyInput(4, a) for a in ([0.9, 0.8, 0.6, 0.4], [0.5] * 4, [0.95] * 4, [0.1] * 4)]
-    ks = pol.choose(reqs, base_tokens=4, token_budget=100)
+    ks = pol.choose(reqs, base_tokens=4, token_budget=100).ks
 
     def goodput(ks):
         e = 0.0
@@ -55,18 +55,18 @@ def test_goodput_is_not_lowered_by_any_single_change():
 
 def test_token_budget_and_limits_are_respected():
     pol = _policy(c0=10e-3, c_tok=1e-6)
-    ks = pol.choose([PolicyInput(2, [0.9] * 2), PolicyInput(4, [0.9] * 4)], base_tokens=2, token_budget=5)
+    ks = pol.choose([PolicyInput(2, [0.9] * 2), PolicyInput(4, [0.9] * 4)], base_tokens=2, token_budget=5).ks
     assert ks[0] <= 2 and sum(ks) == 3
-    assert StaticPolicy(3).choose([PolicyInput(2, [0.5] * 2), PolicyInput(4, [0.5] * 4)], 2, 100) == [2, 3]
-    assert StaticPolicy(3).choose([PolicyInput(4, [0.5] * 4)] * 3, 3, 7) == [3, 1, 0]
+    assert StaticPolicy(3).choose([PolicyInput(2, [0.5] * 2), PolicyInput(4, [0.5] * 4)], 2, 100).ks == [2, 3]
+    assert StaticPolicy(3).choose([PolicyInput(4, [0.5] * 4)] * 3, 3, 7).ks == [3, 1, 0]
 
 
 def test_proposer_overhead_that_drafting_cannot_repay_disables_drafts():
     # 50 ms to propose at all, 0.6 acceptance, cheap verify: one step costs 10 ms without drafts
     pol = _policy(c0=10e-3, c_tok=1e-5, p0=50e-3)
-    assert pol.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64) == [0]
+    assert pol.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64).ks == [0]
     cheap = _policy(c0=10e-3, c_tok=1e-5, p0=1e-3)
-    assert cheap.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64) == [4]
+    assert cheap.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64).ks == [4]
 
 
 def test_young_requests_lean_on_global_rates():
@@ -99,7 +99,7 @@ def test_greedy_and_sampled_requests_learn_separate_priors():
 def test_policy_probes_again_after_deciding_not_to_draft():
     pol = _policy(c0=10e-3, c_tok=1e-5, p0=50e-3)  # drafting looks unprofitable
     reqs = [PolicyInput(4, [0.6] * 4), PolicyInput(0, [])]
-    decisions = [pol.choose(reqs, base_tokens=2, token_budget=64) for _ in range(16)]
+    decisions = [pol.choose(reqs, base_tokens=2, token_budget=64).ks for _ in range(16)]
     probes = [i for i, ks in enumerate(decisions) if any(ks)]
     assert probes == [7, 15]  # one probe every 8 idle decisions, never more
     assert decisions[7] == [1, 0]  # one draft for the request that may draft
@@ -126,68 +126,17 @@ def test_allocation_is_the_exact_optimum_including_the_proposers_depth_cost():
         def goodput(ks):
             return _expected(reqs, ks) / cost.step_seconds(b, sum(ks), context, max(ks))
 
-        ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context)
+        ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context).ks
         best = max(goodput(list(alt)) for alt in itertools.product(*[range(r.limit + 1) for r in reqs]))
         assert all(0 <= k <= r.limit for k, r in zip(ks, reqs))
         assert goodput(ks) >= best * (1 - 1e-12), (trial, ks)
-
-
-def _mean_latency_value(reqs, ks, seconds):
-    """base x harmonic mean of E_i / step time: what the latency objective maximises."""
-    e = [1 + sum(float(np.prod(r.alphas[: j + 1])) for j in range(k)) for r, k in zip(reqs, ks)]
-    return len(reqs) ** 2 / (sum(1 / x for x in e) * seconds)
-
-
-def test_latency_objective_is_the_exact_optimum_of_step_time_times_sum_of_inverse_speeds():
-    """Brute force, both allocation paths, one draft cost for all (greedy requests): the choice
-    minimises step time x sum of 1/E_i, the running requests' mean latency."""
-    rng = np.random.default_rng(3)
-    for trial in range(60):
-        b, big_k = int(rng.integers(1, 5)), 3
-        cost = CostModel(verify=(rng.uniform(1e-3, 5e-3), rng.uniform(1e-5, 5e-4), rng.uniform(0, 3e-6)),
-                         propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 2e-4), rng.uniform(0, 1e-3)))
-        pol = DynamicPolicy(cost, probe_every=0, objective="latency")
-        reqs = [PolicyInput(int(rng.integers(0, big_k + 1)), sorted(rng.uniform(0.05, 1.0, big_k), reverse=True))
-                for _ in range(b)]
-        context = int(rng.integers(0, 20000))
-
-        def value(ks):
-            return _mean_latency_value(reqs, ks, cost.step_seconds(b, sum(ks), context, max(ks)))
-
-        best = max(value(list(alt)) for alt in itertools.product(*[range(r.limit + 1) for r in reqs]))
-        ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context)
-        assert value(ks) >= best * (1 - 1e-12), (trial, ks)
-        # the numpy path (20 copies: more than 64 slots) reaches the same objective as the plain one
-        many = reqs * 20
-        big = pol.choose(many, base_tokens=20 * b, token_budget=200 * b, context=context)
-        t0 = cost.step_seconds(20 * b, 0, context)
-        small = pol._allocate_small([r.alphas for r in many], [r.limit for r in many], 180 * b, [cost.per_slot(20 * b)] * len(many),
-                                    float(20 * b), t0, t0 + cost.propose_fixed, cost.per_depth, latency=True)[0]
-
-        def value_many(ks):
-            return _mean_latency_value(many, ks, cost.step_seconds(20 * b, sum(ks), context, max(ks)))
-
-        assert value_many(big) == pytest.approx(value_many(small), rel=1e-9), (trial, big, small)
-
-
-def test_latency_objective_spares_the_slow_requests_the_fast_ones_deep_drafts():
-    """One request accepts almost everything, seven almost nothing. Goodput drafts the fast one
-    deep, lengthening every step; mean latency weighs the seven whose speed that step sets."""
-    cost = CostModel(verify=(4e-3, 4e-4), propose=(0.0, 1e-5, 0.0))
-    reqs = [PolicyInput(4, [0.95] * 4)] + [PolicyInput(4, [0.1] * 4)] * 7
-    good = DynamicPolicy(cost, probe_every=0).choose(reqs, base_tokens=8, token_budget=64)
-    lat = DynamicPolicy(cost, probe_every=0, objective="latency").choose(reqs, base_tokens=8, token_budget=64)
-    assert good == [4] + [0] * 7
-    assert lat[0] < good[0] and sum(lat[1:]) == 0
-    with pytest.raises(ValueError, match="objective"):
-        DynamicPolicy(cost, objective="fast")
 
 
 def test_deep_drafts_for_a_few_are_dropped_when_depth_is_what_costs():
     # per-slot cost is tiny, but each extra head costs 3 ms: one sequential chain for everyone
     pol = DynamicPolicy(CostModel(verify=(5e-3, 1e-6), propose=(0.0, 1e-6, 3e-3)), probe_every=0)
     reqs = [PolicyInput(4, [0.95, 0.9, 0.9, 0.9])] + [PolicyInput(4, [0.7, 0.5, 0.4, 0.3])] * 7
-    ks = pol.choose(reqs, base_tokens=8, token_budget=100)
+    ks = pol.choose(reqs, base_tokens=8, token_budget=100).ks
     assert max(ks) == 1 and sum(ks) == 8
 
 
@@ -285,9 +234,9 @@ def test_a_lone_request_drafts_less_than_each_request_of_a_full_batch():
     """With the calibrated CPU-like profile a draft costs 0.5 ms at batch 1 against a 1.6 ms step,
     but 0.1 ms at batch 64 against a 40 ms step: the same acceptance earns fewer drafts alone."""
     pol = DynamicPolicy(_calibrated(), probe_every=0)
-    alone = pol.choose([PolicyInput(4, [0.7] * 4)], base_tokens=1, token_budget=1024, context=300, requests=1)
+    alone = pol.choose([PolicyInput(4, [0.7] * 4)], base_tokens=1, token_budget=1024, context=300, requests=1).ks
     full = pol.choose([PolicyInput(4, [0.7] * 4)] * 64, base_tokens=64, token_budget=1024, context=64 * 300,
-                      requests=64)
+                      requests=64).ks
     assert 1 <= alone[0] < 4
     assert min(full) > alone[0]
 
@@ -340,8 +289,8 @@ def test_a_slow_serving_path_does_not_make_drafts_look_dearer():
     excess = slow.verify.predict(64, 0, 64 * 300)
     for d in (0, 64, 128, 256) * 50:
         slow.observe_verify(64, d, 64 * 300, 0, slow.verify.predict(64, d, 64 * 300) + excess)
-    base = sum(DynamicPolicy(plain, probe_every=0).choose(reqs, 64, 2048, 64 * 300, requests=64))
-    busy = sum(DynamicPolicy(slow, probe_every=0).choose(reqs, 64, 2048, 64 * 300, requests=64))
+    base = sum(DynamicPolicy(plain, probe_every=0).choose(reqs, 64, 2048, 64 * 300, requests=64).ks)
+    busy = sum(DynamicPolicy(slow, probe_every=0).choose(reqs, 64, 2048, 64 * 300, requests=64).ks)
     assert base == 2 * 64 and busy == 4 * 64
 
 
@@ -355,9 +304,9 @@ def test_numpy_and_plain_python_allocations_agree():
         pol = DynamicPolicy(cost, probe_every=0)
         reqs = [PolicyInput(int(rng.integers(0, 5)), rng.uniform(0.05, 1.0, 4).round(2).tolist()) for _ in range(b)]
         budget = b + int(rng.integers(0, 4 * b))
-        vec = pol.choose(reqs, base_tokens=b, token_budget=budget, context=b * 300)
+        vec = pol.choose(reqs, base_tokens=b, token_budget=budget, context=b * 300).ks
         t0 = cost.step_seconds(b, 0, b * 300)
-        small = pol._allocate_small([r.alphas for r in reqs], [r.limit for r in reqs], budget - b, [cost.per_slot(b)] * b, float(b), t0,
+        small = _allocate_lists([r.alphas for r in reqs], [r.limit for r in reqs], budget - b, [cost.per_slot(b)] * b, float(b), t0,
                                     t0 + cost.propose_fixed, cost.per_depth)[0]
         assert vec == small, trial
 
@@ -371,7 +320,7 @@ def test_a_request_that_rejects_everything_stops_drafting_while_others_go_on():
     g = [0.6] * 4
     hopeless = request_alphas([10.0], [0.0], g, 4)
     good = request_alphas([10.0, 7.0], [7.0, 5.0], g, 4)
-    ks = pol.choose([PolicyInput(4, hopeless)] + [PolicyInput(4, good)] * 15, base_tokens=16, token_budget=512)
+    ks = pol.choose([PolicyInput(4, hopeless)] + [PolicyInput(4, good)] * 15, base_tokens=16, token_budget=512).ks
     assert ks[0] == 0 and min(ks[1:]) == 3
 
 
@@ -394,12 +343,12 @@ def test_sampled_requests_allocation_is_the_exact_optimum_with_their_logits_cost
             return _expected(reqs, ks) / (cost.step_seconds(b, sum(ks), context, max(ks))
                                           + cost.sampled_extra * sampled)
 
-        ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context)
+        ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context).ks
         best = max(goodput(list(alt)) for alt in itertools.product(*[range(r.limit + 1) for r in reqs]))
         assert goodput(ks) >= best * (1 - 1e-12), (trial, ks)
         t0 = cost.step_seconds(b, 0, context)
         costs = [cost.per_slot(b) + (cost.sampled_extra if r.sampled else 0.0) for r in reqs]
-        small = pol._allocate_small([r.alphas for r in reqs], [r.limit for r in reqs], 9 * b, costs, float(b), t0,
+        small = _allocate_lists([r.alphas for r in reqs], [r.limit for r in reqs], 9 * b, costs, float(b), t0,
                                     t0 + cost.propose_fixed, cost.per_depth)[0]
         assert goodput(small) >= best * (1 - 1e-12), (trial, small)
 
@@ -411,22 +360,13 @@ def test_a_sampled_request_drafts_less_than_a_greedy_one_when_its_logits_rows_ar
     cost.verify.per_logits_row = 5e-4
     pol = DynamicPolicy(cost, probe_every=0)
     greedy, sampled = PolicyInput(4, [0.6] * 4), PolicyInput(4, [0.6] * 4, sampled=True)
-    ks = pol.choose([greedy, sampled] * 8, base_tokens=16, token_budget=512)
+    ks = pol.choose([greedy, sampled] * 8, base_tokens=16, token_budget=512).ks
     assert ks[0::2] == [ks[0]] * 8 and ks[1::2] == [ks[1]] * 8
     assert ks[0] > ks[1]
     cost.verify.per_logits_row = 0.0  # without that cost they are treated alike
-    ks = pol.choose([greedy, sampled] * 8, base_tokens=16, token_budget=512)
+    ks = pol.choose([greedy, sampled] * 8, base_tokens=16, token_budget=512).ks
     assert ks[0::2] == ks[1::2]
 
-
-def test_the_latency_objective_is_chosen_by_the_policy_parameter():
-    from lightspec_core.config import EngineConfig
-
-    assert EngineConfig(policy="dynamic:latency").policy_objective == "latency"
-    assert EngineConfig(policy="dynamic").policy_objective == "goodput"
-    assert EngineConfig(policy="dynamic:latency").policy_kind == "dynamic"
-    with pytest.raises(ValueError, match="policy"):
-        EngineConfig(policy="dynamic:fast")
 
 
 def test_the_scheduler_hands_the_policy_request_alphas_estimates():
@@ -549,27 +489,27 @@ def test_gain_floor_is_the_planned_goodput_times_a_drafts_cost():
     floor handed to the MTP runner is G x (seconds one draft adds) at the chosen allocation."""
     pol = _policy(c0=10e-3, c_tok=1e-3)
     cost = pol.cost
-    assert pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=64) == [4]
-    assert pol.gain_floors == []  # only computed for an engine with a confidence stop
-    pol.floors_wanted = True
-    pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=64)
+    assert pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=64).floors is None  # not asked for
+    pol.floors = True
+    floors = pol.choose([PolicyInput(4, [0.8] * 4)], base_tokens=1, token_budget=64).floors
     g = (1 + 0.8 + 0.8**2 + 0.8**3 + 0.8**4) / cost.step_seconds(1, 4, depth=4)
-    assert pol.gain_floors == pytest.approx([g * cost.per_slot(1)])
-    assert 0.2 < pol.gain_floors[0] < 0.3  # ~0.24: about the 4th draft's own 0.8^4 = 0.41 and below
-    # the numpy path (over 64 slots) sets the same floors; a sampled request's draft costs more
+    assert floors == pytest.approx([g * cost.per_slot(1)])
+    assert 0.2 < floors[0] < 0.3  # ~0.24: about the 4th draft's own 0.8^4 = 0.41 and below
+    # the numpy path (over 64 slots) gives the same floors; a sampled request's draft costs more
     reqs = [PolicyInput(4, [0.8] * 4, sampled=i % 2 == 1) for i in range(20)]
     cost.verify.per_logits_row = 1e-4
-    ks = pol.choose(reqs, base_tokens=20, token_budget=400)
+    decision = pol.choose(reqs, base_tokens=20, token_budget=400)
+    ks = decision.ks
     e = sum(1 + sum(0.8 ** (j + 1) for j in range(k)) for k in ks)
     sampled_drafts = sum(k for k, r in zip(ks, reqs) if r.sampled)
     g = e / (cost.step_seconds(20, sum(ks), depth=max(ks)) + cost.sampled_extra * sampled_drafts)
     want = [g * (cost.per_slot(20) + (cost.sampled_extra if r.sampled else 0.0)) for r in reqs]
-    assert pol.gain_floors == pytest.approx(want)
+    assert decision.floors == pytest.approx(want)
     # nothing drafted (or a probe): no floor
     idle = _policy(c0=10e-3, c_tok=1e-5, p0=50e-3)
-    idle.floors_wanted = True
-    assert idle.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64) == [0]
-    assert idle.gain_floors == []
+    idle.floors = True
+    nothing = idle.choose([PolicyInput(4, [0.6] * 4)], base_tokens=1, token_budget=64)
+    assert nothing.ks == [0] and nothing.floors is None
 
 
 def test_bench_scheduler_measures_decisions_that_draft():

@@ -1,0 +1,85 @@
+"""One step's target call, packed from the plan and its proposals, and what the engine keeps of it
+while it is in flight."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..spec.proposer import Proposal
+from ..spec.sampling import probs_from_logits
+from ..stages.contract import ModelCall, pack_block_tables
+from .scheduler import StepPlan
+
+
+@dataclass
+class InFlight:
+    plan: StepPlan
+    proposals: list[Proposal]
+    future: Future
+    rows: list[list[int]]  # per plan item: rows of the target output to verify (empty: no sample)
+    logit_rows: list[list[int]]  # per plan item: its rows of the returned logits (sampled requests only)
+    t_submit: float
+    num_tokens: int
+    context: int  # padded KV slots the target's attention reads: requests x longest context
+    prefill: int  # of num_tokens, prompt-chunk tokens
+    drafts: int  # of num_tokens, draft tokens
+
+
+@dataclass
+class PackedStep:
+    call: ModelCall
+    rows: list[list[int]]  # per plan item: its rows of the returned outputs (see InFlight)
+    logit_rows: list[list[int]]
+    context: int
+
+
+def pack_step(plan: StepPlan, props: list[Proposal], tables: list[list[int]],
+              extra: dict[str, np.ndarray]) -> PackedStep:
+    """The target call of a step: each request's new tokens then its drafts, back to back; a
+    request's sample rows are its last known token's and one per draft. ``extra``: fields the
+    proposer sets (see ``Proposer.target_inputs``)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    qlens: list[int] = []
+    rows: list[list[int]] = []  # per item: rows of the packed tokens whose outputs come back
+    flags: list[bool] = []  # per sample row: a sampled request's, whose logits must come back
+    for it, pr in zip(plan.items, props):
+        toks = it.seq.token_ids[it.start : it.start + it.num_new] + pr.draft_ids[: it.k]
+        base = len(ids)
+        ids += toks
+        pos += range(it.start, it.start + len(toks))
+        qlens.append(len(toks))
+        rows.append(list(range(base + it.num_new - 1, base + len(toks))) if it.samples else [])
+        flags += [not it.seq.params.greedy] * len(rows[-1])
+    out_rows, logit_rows, n, m = [], [], 0, 0  # rows relative to the returned outputs / logits
+    for it, rr in zip(plan.items, rows):
+        out_rows.append(list(range(n, n + len(rr))))
+        n += len(rr)
+        sampled = not it.seq.params.greedy
+        logit_rows.append(list(range(m, m + len(rr))) if sampled else [])
+        m += len(rr) if sampled else 0
+    call = ModelCall(
+        input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
+        query_lens=np.array(qlens, np.int32), block_tables=pack_block_tables(tables),
+        sample_indices=np.array([r for rr in rows for r in rr], np.int64),
+        return_logits=np.array(flags if any(flags) and not all(flags) else [any(flags)]),
+        return_hidden=np.array([False]),
+    )
+    for name, value in extra.items():
+        setattr(call, name, value)
+    return PackedStep(call, out_rows, logit_rows, len(qlens) * (max(pos) + 1))
+
+
+def target_probs(f: InFlight, logits: np.ndarray) -> np.ndarray:
+    """The target's distributions at every returned logits row, in one batched call (one per
+    request cost more than the verification itself on a mixed batch)."""
+    params = [it.seq.params for it, lr in zip(f.plan.items, f.logit_rows) for _ in lr]
+    return probs_from_logits(
+        torch.from_numpy(logits), torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+    ).numpy()

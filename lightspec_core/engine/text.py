@@ -1,0 +1,47 @@
+"""A request's text as it streams: stop strings, the tail held back, the delta handed out."""
+
+from __future__ import annotations
+
+from .outputs import RequestDelta
+from .sequence import Sequence
+
+
+def truncate_at_stop(seq: Sequence) -> bool:
+    """Cut the text before the first stop string that appeared; True if one did. Only the tail a
+    new token can have completed is searched."""
+    window = max(len(s) for s in seq.params.stop) + 8
+    tail_start = max(0, len(seq.text) - window)
+    hits = [i for s in seq.params.stop if (i := seq.text.find(s, tail_start)) >= 0]
+    if not hits:
+        return False
+    seq.text = seq.text[: min(hits)]
+    return True
+
+
+def sendable_chars(seq: Sequence) -> int:
+    """Hold back a text tail that could be the start of a stop string, so no text that belongs to
+    a stop string is ever streamed."""
+    text = seq.text
+    hold = 0
+    for s in seq.params.stop:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return len(text) - hold
+
+
+def take_delta(seq: Sequence, finished: bool = False) -> RequestDelta | None:
+    """What the request produced since its last delta (None: nothing new), marked as sent."""
+    end = len(seq.text) if finished else sendable_chars(seq)
+    new_ids = seq.output_ids[seq.sent_tokens :]
+    new_text = seq.text[seq.sent_chars : end] if end > seq.sent_chars else ""
+    if not new_ids and not new_text and not finished:
+        return None
+    seq.sent_tokens = seq.num_output
+    seq.sent_chars = max(seq.sent_chars, end)
+    return RequestDelta(
+        request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
+        finish_reason=seq.finish_reason, error=seq.error, num_prompt_tokens=seq.prompt_len,
+        num_output_tokens=seq.num_output, num_draft_tokens=seq.num_draft, num_accepted_tokens=seq.num_accepted,
+    )
