@@ -1,6 +1,6 @@
 """In-process engine throughput: speculation configurations side by side, without a server.
 
-    python -m lightspec_core.bench_engine [--device cuda] [--batches 1 16 64] [--configs none static:4 dynamic]
+python tools/bench_engine.py [--device cuda] [--batches 1 16 64] [--configs none static:4 dynamic]
 
 Each batch size runs B held-out code prompts together (greedy, ``--max-tokens`` each, all
 configurations on the same prompts, in rounds so that drift hits every configuration alike) and
@@ -18,9 +18,9 @@ import statistics
 import time
 
 from lightspec_core.config import EngineConfig, SamplingParams
+from lightspec_core.corpus import stdlib_files
 from lightspec_core.engine.engine import LLMEngine
 from lightspec_core.stages.memory import keep_freed_memory
-from lightspec_core.corpus import stdlib_files
 
 
 def code_prompts(n: int, chars: int = 400) -> list[str]:
@@ -51,8 +51,36 @@ def run(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple[float, 
     return time.perf_counter() - t0, [o.output_token_ids for o in outs]
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def batch_rows(engines: dict[str, LLMEngine], prompts: list[str], a: argparse.Namespace) -> list[dict]:
+    """One row per configuration at one batch size: the median-high time of ``a.rounds`` rounds, each
+    round running every configuration once on the same prompts."""
+    for eng in engines.values():  # warm-up: allocator, kernels, the dynamic policy's profile
+        eng.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    times: dict[str, list[float]] = {c: [] for c in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(a.rounds):
+        for c, eng in engines.items():
+            dt, outputs[c] = run(eng, prompts, a.max_tokens)
+            times[c].append(dt)
+    median = {c: statistics.median_high(ts) for c, ts in times.items()}
+    tokens = len(prompts) * a.max_tokens
+    return [
+        {
+            "device": a.device,
+            "batch": len(prompts),
+            "config": c,
+            "tokens": tokens,
+            "seconds": median[c],
+            "throughput_tok_s": tokens / median[c],
+            "ratio_vs_none": median["none"] / median[c],
+            "outputs_equal_none": outputs[c] == outputs["none"],
+        }
+        for c in a.configs
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python tools/bench_engine.py", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model-dir", default=None, help="target checkpoint (default: the embedded model)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -60,7 +88,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="write the rows here")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    a = build_parser().parse_args(argv)
     keep_freed_memory()  # as the server's stage processes do
     if "none" not in a.configs:
         a.configs = ["none", *a.configs]
@@ -69,32 +101,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     try:
         for b in a.batches:
-            prompts = windows[:b]
-            for eng in engines.values():  # warm-up: allocator, kernels, the dynamic policy's profile
-                eng.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))
-            times: dict[str, list[float]] = {c: [] for c in a.configs}
-            outputs: dict[str, list[list[int]]] = {}
-            for _ in range(a.rounds):
-                for c, eng in engines.items():
-                    dt, ids = run(eng, prompts, a.max_tokens)
-                    times[c].append(dt)
-                    outputs[c] = ids
-            median = {c: statistics.median_high(ts) for c, ts in times.items()}
-            for c in a.configs:
-                dt = median[c]
-                rows.append({
-                    "device": a.device, "batch": b, "config": c, "tokens": b * a.max_tokens, "seconds": dt,
-                    "throughput_tok_s": b * a.max_tokens / dt,
-                    "ratio_vs_none": median["none"] / dt,
-                    "outputs_equal_none": outputs[c] == outputs["none"],
-                })
+            rows += batch_rows(engines, windows[:b], a)
     finally:
         for eng in engines.values():
             eng.close()
     print("| device | batch | config | tok/s | x none | outputs = none |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['device']} | {r['batch']} | {r['config']} | {r['throughput_tok_s']:.0f} | "
-              f"{r['ratio_vs_none']:.2f}x | {'yes' if r['outputs_equal_none'] else 'NO'} |")
+        print(
+            f"| {r['device']} | {r['batch']} | {r['config']} | {r['throughput_tok_s']:.0f} | "
+            f"{r['ratio_vs_none']:.2f}x | {'yes' if r['outputs_equal_none'] else 'NO'} |"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

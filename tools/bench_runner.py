@@ -1,6 +1,6 @@
 """Step cost of the target runner: B requests x q new tokens each (decode q=1, verify q=1+k).
 
-    python -m lightspec_core.bench_runner [--model-dir DIR] [--batches 1 8 32 64] [--tokens 1 5]
+python tools/bench_runner.py [--model-dir DIR] [--batches 1 8 32 64] [--tokens 1 5]
 
 Each request has ``--context`` tokens already in the paged KV pool; the step feeds q tokens per
 request and returns outputs at all of them (as a verification step does). Prints the median of
@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from lightspec_core.engine.engine import default_model_dir
-from lightspec_core.stages.memory import keep_freed_memory
+from lightspec_core.config import default_model_dir
 from lightspec_core.stages.contract import ModelCall
+from lightspec_core.stages.memory import keep_freed_memory
 from lightspec_core.stages.target import ModelRunner
 
 
@@ -36,7 +36,9 @@ def step_call(batch: int, q: int, context: int, block_size: int, vocab: int, rng
 
 def measure(model_dir: str, batches, tokens, context=128, repeats=15, block_size=16) -> dict:
     max_b = max(batches)
-    runner = ModelRunner(model_dir, num_blocks=max_b * (-(-(context + max(tokens)) // block_size)), block_size=block_size)
+    runner = ModelRunner(
+        model_dir, num_blocks=max_b * (-(-(context + max(tokens)) // block_size)), block_size=block_size
+    )
     rng = np.random.default_rng(0)
     out = {}
     for b in batches:
@@ -53,7 +55,7 @@ def measure(model_dir: str, batches, tokens, context=128, repeats=15, block_size
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python tools/bench_runner.py", description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default=default_model_dir())
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])

@@ -1,7 +1,6 @@
 """LightSpec next to Hugging Face ``transformers`` assisted generation, batch 1, greedy, same checkpoints.
 
-    python -m lightspec_backend.bench_hf [--model-dir DIR] [--num-prompts 8] [--max-tokens 64] [--json OUT]
-    lightspec bench --hf ...
+python tools/compare_hf.py [--model-dir DIR] [--num-prompts 8] [--max-tokens 64] [--json OUT]
 
 Systems (``--systems``, default all):
 
@@ -204,7 +203,7 @@ def report(results: dict[str, SystemResult]) -> tuple[str, dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lightspec bench --hf", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/compare_hf.py", description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", help="target checkpoint, HF layout (default: the embedded model); draft: sibling")
     p.add_argument("--draft-dir", help="draft checkpoint (default: the sibling draft/ of --model-dir)")
     p.add_argument("--systems", nargs="+", help=f"default: {' '.join(HF_SYSTEMS + LIGHTSPEC_SYSTEMS)}")
@@ -224,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-lookup-num-tokens", type=int, help="HF prompt_lookup_num_tokens (default: --num-draft-tokens)"
     )
     # Batch 1 of a small model gains nothing from intra-op threads, and torch's default (one per core)
-    # collapses when anything else runs on the machine (measured on 2 cores: 480 -> 27 tokens/s).
+    # collapses when anything else runs on the machine (spinning OpenMP workers; docs/serving.md, num_threads).
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strict", action="store_true", help="exit 1 when an output differs from hf's")
@@ -246,10 +245,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args, argv: list[str] | None) -> int:
+    from lightspec_backend.bench.workload import default_prompts, load_tokenizer, read_prompts
+
     from lightspec_core import default_model_dir
     from lightspec_core.models.tokenizer import TokenizerInfo
-
-    from lightspec_backend.bench import default_prompts, load_tokenizer, read_prompts
 
     model_dir = Path(args.model_dir or default_model_dir())
     systems = [s for v in args.systems or [] for s in v.replace(",", " ").split()] or None

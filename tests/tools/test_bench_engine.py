@@ -1,4 +1,4 @@
-"""``python -m lightspec_core.bench_engine``: the in-process side-by-side (what the GPU check runs)."""
+"""``python tools/bench_engine.py``: the in-process side-by-side (what the GPU check runs)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_code_prompts_are_distinct_held_out_windows():
 def test_side_by_side_rows_compare_each_config_with_none_on_the_same_prompts(tmp_path, capsys):
     out = tmp_path / "rows.json"
     rows = bench_engine.main(["--batches", "1", "3", "--configs", "static:2", "dynamic", "--max-tokens", "12",
-                              "--rounds", "1", "--json", str(out)])
+                              "--rounds", "1", "--json", str(out)])  # fmt: skip
     assert [(r["batch"], r["config"]) for r in rows] == [
         (b, c) for b in (1, 3) for c in ("none", "static:2", "dynamic")
     ]

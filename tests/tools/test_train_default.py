@@ -14,7 +14,12 @@ from tools.train_default import main
 def test_heads_from_trains_only_the_heads_and_reports_before_and_after(smoke_model, tmp_path):
     out = tmp_path / "more"
     report = main(["--out", str(out), "--smoke", "--heads-from", str(smoke_model), "--seed", "0"])
-    for part in ("target/model.safetensors", "draft/model.safetensors", "target/tokenizer.json", "mtp/draft_vocab.json"):
+    for part in (
+        "target/model.safetensors",
+        "draft/model.safetensors",
+        "target/tokenizer.json",
+        "mtp/draft_vocab.json",
+    ):
         assert (out / part).read_bytes() == (smoke_model / part).read_bytes(), part
     assert (out / "mtp/mtp.safetensors").read_bytes() != (smoke_model / "mtp/mtp.safetensors").read_bytes()
     before = json.loads((smoke_model / "train_report.json").read_text())
@@ -29,7 +34,7 @@ def test_heads_from_trains_only_the_heads_and_reports_before_and_after(smoke_mod
 def test_greedy_data_trains_on_the_targets_continuations_and_reports_the_chain(smoke_model, tmp_path):
     out = tmp_path / "greedy"
     report = main(["--out", str(out), "--smoke", "--heads-from", str(smoke_model), "--seed", "0",
-                   "--greedy-data", "12", "--greedy-share", "0.5"])
+                   "--greedy-data", "12", "--greedy-share", "0.5"])  # fmt: skip
     run = report["mtp_continued"]
     assert run["greedy_continuations"] == 12 and run["greedy_share"] == 0.5
     k = len(report["mtp_head_greedy_acceptance"])
@@ -81,11 +86,18 @@ def test_chain_acceptance_counts_what_serving_heads_would_accept(smoke_model):
     total, count, agree = 0, 0, [0] * k
     for w in range(len(windows)):
         for t in range(prompt - 1, windows.shape[1] - 1 - k):
-            res = runner.execute(MTPCall(
-                hidden=hid[w, t : t + 1].numpy(), last_ids=windows[w, t + 1 : t + 2].numpy(),
-                num_tokens=np.array([k], np.int32), temperature=np.zeros(1, np.float32),
-                top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
-                uniforms=np.zeros((1, k), np.float32), return_probs=np.array([False])))
+            res = runner.execute(
+                MTPCall(
+                    hidden=hid[w, t : t + 1].numpy(),
+                    last_ids=windows[w, t + 1 : t + 2].numpy(),
+                    num_tokens=np.array([k], np.int32),
+                    temperature=np.zeros(1, np.float32),
+                    top_k=np.zeros(1, np.int32),
+                    top_p=np.ones(1, np.float32),
+                    uniforms=np.zeros((1, k), np.float32),
+                    return_probs=np.array([False]),
+                )
+            )
             want = windows[w, t + 2 : t + 2 + k].numpy()
             hits = res.draft_ids[0] == want
             agree = [a + int(h) for a, h in zip(agree, hits)]

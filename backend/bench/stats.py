@@ -1,0 +1,177 @@
+"""The numbers of a sweep: client-side latencies, quantiles, medians over rounds, and ratios.
+
+A run is a dict (``config``, ``method``, ``concurrency``, ``rate``, ``throughput_tok_s``, ...);
+these functions compute, the report prints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .client import Record
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket holding rank q;
+    a rank in the ``+Inf`` bucket gives the largest finite bound."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def _finite(x) -> float | None:
+    return None if x is None or not np.isfinite(x) else float(x)
+
+
+def client_stats(records: list[Record], duration: float) -> dict:
+    """Client-side numbers of one run. Latencies of failed requests are left out (``errors`` counts
+    them). ``mean_itl_s`` is decode time per token after the first, over all requests (token-weighted);
+    ``mean_tpot_s`` the same per request, averaged."""
+    ok = [r for r in records if r.error is None and r.t_first is not None]
+    lat = np.array([r.t_end - r.t_send for r in ok]) if ok else np.array([np.nan])
+    ttft = np.array([r.t_first - r.t_send for r in ok]) if ok else np.array([np.nan])
+    decode_t = sum(r.t_last - r.t_first for r in ok)
+    decode_n = sum(r.tokens - 1 for r in ok)
+    tpot = [(r.t_last - r.t_first) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    tokens = sum(r.tokens for r in records)
+    drafted, accepted = sum(r.drafted for r in ok), sum(r.accepted for r in ok)
+    steps = sum(r.responses - 1 for r in ok)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "output_tokens": tokens,
+        "duration_s": duration,
+        "throughput_tok_s": tokens / duration if duration > 0 else None,
+        "mean_latency_s": _finite(lat.mean()),
+        "p50_latency_s": _finite(np.percentile(lat, 50)),
+        "p99_latency_s": _finite(np.percentile(lat, 99)),
+        "mean_ttft_s": _finite(ttft.mean()),
+        "p99_ttft_s": _finite(np.percentile(ttft, 99)),
+        "mean_itl_s": decode_t / decode_n if decode_n else None,
+        "mean_tpot_s": _finite(np.mean(tpot)) if tpot else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tokens_per_step": decode_n / steps if steps else None,  # streamed tokens per engine step after the first
+    }
+
+
+def kind_stats(records: list[Record]) -> dict[str, dict]:
+    """Per prompt kind (code / shuffled): mean latency, acceptance rate, decode tokens per step."""
+    out = {}
+    for kind in sorted({r.kind for r in records}):
+        rs = [r for r in records if r.kind == kind and r.error is None and r.t_first is not None]
+        if not rs:
+            continue
+        drafted, steps = sum(r.drafted for r in rs), sum(r.responses - 1 for r in rs)
+        out[kind] = {
+            "requests": len(rs),
+            "mean_latency_s": float(np.mean([r.t_end - r.t_send for r in rs])),
+            "acceptance_rate": sum(r.accepted for r in rs) / drafted if drafted else None,
+            "draft_tokens_per_request": drafted / len(rs),
+            "tokens_per_step": sum(r.tokens - 1 for r in rs) / steps if steps else None,
+        }
+    return out
+
+
+def median_runs(runs: list[dict]) -> list[dict]:
+    """Per (model, concurrency, rate): the run with the median throughput (the lower middle one for an
+    even count), with every repeat's throughput in ``throughput_repeats``; first-seen order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["model"], r["concurrency"], r.get("rate")), []).append(r)
+    out = []
+    for rs in groups.values():
+        ranked = sorted(rs, key=lambda r: r["throughput_tok_s"] or 0.0)
+        out.append({**ranked[(len(ranked) - 1) // 2], "throughput_repeats": [r["throughput_tok_s"] for r in rs]})
+    return out
+
+
+def _ratio(run: dict, base: dict | None, key: str) -> float | None:
+    if base is None or not run.get(key) or not base.get(key):
+        return None
+    return run[key] / base[key]
+
+
+def ratio_rows(runs: list[dict]) -> list[dict]:
+    """Every run with its throughput and mean-latency ratio against ``none`` at the same load."""
+    base = {(r["concurrency"], r.get("rate")): r for r in runs if r["method"] == "none"}
+    rows = []
+    for r in runs:
+        b = base.get((r["concurrency"], r.get("rate")))
+        rows.append(
+            {**r, "throughput_ratio": _ratio(r, b, "throughput_tok_s"), "latency_ratio": _ratio(r, b, "mean_latency_s")}
+        )
+    return rows
+
+
+def _x_none(dyn: dict[int, dict], static: list[dict], base: dict[int, dict]) -> dict[str, dict[int, float]]:
+    """config -> level -> throughput x none, for ``dynamic`` and the static depths at its levels."""
+    out: dict[str, dict[int, float]] = {}
+    for c, d in dyn.items():
+        if c not in base:
+            continue
+        for r in (d, *(r for r in static if r["concurrency"] == c)):
+            out.setdefault(r["config"], {})[c] = r["throughput_tok_s"] / base[c]["throughput_tok_s"]
+    return out
+
+
+def _level_rows(method: str, dyn: dict[int, dict], static: list[dict], x_none: dict) -> list[dict]:
+    """At each level: ``dynamic`` against the static depth with the best median there."""
+    out = []
+    for c, d in dyn.items():
+        rivals = [r for r in static if r["concurrency"] == c]
+        if not rivals:
+            continue
+        best = max(rivals, key=lambda r: r["throughput_tok_s"])
+        pairs = zip(d.get("throughput_repeats") or [], best.get("throughput_repeats") or [])
+        row = {"method": method, "load": c, "best_static": best["config"]}
+        row["ratio"] = d["throughput_tok_s"] / best["throughput_tok_s"]
+        row["rounds"] = [a / b for a, b in pairs if a and b]
+        row["dynamic_x_none"] = x_none.get("dynamic", {}).get(c)
+        out.append(row)
+    return out
+
+
+def _mean_row(method: str, x_none: dict[str, dict[int, float]]) -> dict | None:
+    """Over the levels: the mean of ``dynamic``'s ratios to ``none`` against the best static mean."""
+    levels = sorted(x_none.get("dynamic", {}))
+    means = {cfg: sum(v[c] for c in levels) / len(levels) for cfg, v in x_none.items() if all(c in v for c in levels)}
+    statics = [cfg for cfg in means if cfg != "dynamic"]
+    if len(levels) <= 1 or not statics:
+        return None
+    best = max(statics, key=means.get)
+    return {"method": method, "load": None, "best_static": best, "ratio": means["dynamic"] / means[best],
+            "rounds": [], "dynamic_x_none": means["dynamic"]}  # fmt: skip
+
+
+def dynamic_vs_static(runs: list[dict]) -> list[dict]:
+    """Per method that has a ``dynamic`` run: at each closed-loop level, ``dynamic`` against ``none``
+    and against the static depth with the best (median) throughput there, as the ratio of the two
+    medians and round by round (``throughput_repeats`` come in round order; a round runs every
+    configuration once, so one slow round slows both sides of its ratio); then, over the levels, the
+    mean of ``dynamic``'s ratios to ``none`` against that of the static depth whose mean is best
+    (``load`` = None). Rows: method, load, best static, ratio, per-round ratios, and ``dynamic`` x
+    ``none``."""
+    closed = [r for r in runs if r.get("rate") is None]
+    base = {r["concurrency"]: r for r in closed if r["method"] == "none"}
+    out = []
+    for method in dict.fromkeys(r["method"] for r in closed if r["config"] == "dynamic"):
+        dyn = {r["concurrency"]: r for r in closed if r["method"] == method and r["config"] == "dynamic"}
+        static = [r for r in closed if r["method"] == method and r["config"].startswith("static")]
+        x_none = _x_none(dyn, static, base)
+        out += _level_rows(method, dyn, static, x_none)
+        mean = _mean_row(method, x_none)
+        if mean is not None:
+            out.append(mean)
+    return out

@@ -1,0 +1,94 @@
+"""``lightspec bench`` (``lightspec_backend.bench.command``): the flags, and one short sweep against a
+real tritonserver (smoke model)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from lightspec_backend import bench, cli
+from lightspec_backend.bench.command import _list
+from lightspec_backend.params import read_config_parameters
+
+RUN_KEYS = {
+    "config": str, "method": str, "concurrency": int, "requests": int, "output_tokens": int, "duration_s": float,
+    "throughput_tok_s": float, "mean_latency_s": float, "p50_latency_s": float, "p99_latency_s": float,
+    "mean_ttft_s": float, "mean_itl_s": float, "mean_acceptance_length": float, "scheduler_p99_ms": float,
+}  # fmt: skip
+
+
+def test_list_flags_accept_commas_and_spaces_and_drop_none_from_numbers():
+    assert _list(["1,4", "16"], int) == [1, 4, 16]
+    assert _list(["none"], int) == [] and _list(["none", "dynamic"]) == ["none", "dynamic"]
+    assert _list(None) == []
+
+
+def test_the_hugging_face_side_by_side_is_no_bench_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--hf"])
+    assert e.value.code == 2 and "unrecognized arguments: --hf" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--concurrency", "0"], "must be positive"), (["--concurrency", "none"], "nothing to run"),
+     (["--rate", "-1", "--concurrency", "1"], "must be positive"), (["--methods", "eagle"], "--methods 'eagle'")],
+)  # fmt: skip
+def test_bad_loads_are_refused_before_anything_runs(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main(argv)
+
+
+def test_write_repository_writes_the_sweeps_models_and_prints_how_to_serve_them(tmp_path, capsys):
+    repo = tmp_path / "repo"
+    argv = ["--write-repository", str(repo), "--configs", "none", "dynamic", "--methods", "mtp", "draft",
+            "--concurrency", "1", "8", "--num-prompts", "2", "--set", "num_threads=1"]  # fmt: skip
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "--model-control-mode=explicit --load-model=lightspec_target --load-model=lightspec_draft" in printed
+    for model in ("lightspec_none", "lightspec_mtp_dynamic", "lightspec_draft_dynamic"):
+        params = read_config_parameters(repo / model / "config.pbtxt")
+        assert params["num_threads"] == "1" and int(params["num_kv_blocks"]) >= 1024
+    with pytest.raises(SystemExit, match="--set 'num_threads': expected KEY=VALUE"):
+        bench.main([*argv, "--set", "num_threads"])
+
+
+# ---- one short sweep through a real server --------------------------------------------------------------------
+@pytest.mark.triton
+def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path / "cache"))
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--model-dir", str(smoke_model / "target"), "--configs", "none", "dynamic",
+            "--concurrency", "1", "2", "--requests", "2", "--max-tokens", "8", "--num-prompts", "4",
+            "--workload", "mixed", "--warmup", "1", "--set", "num_threads=1", "--set", "num_kv_blocks=64",
+            "--json", str(out), "--plot", str(png)]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    pid = int(re.search(r"tritonserver pid (\d+)", printed).group(1))
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+    # they ran load by load, serpentine (none, dynamic at c=1; dynamic, none at c=2) ...
+    ran = re.findall(r"^\s+(\w+)\s+(\S+)\s+(c=\d+)\s+[\d.]+ tok/s", printed, flags=re.MULTILINE)
+    assert ran == [("none", "none", "c=1"), ("mtp", "dynamic", "c=1"), ("mtp", "dynamic", "c=2"),
+                   ("none", "none", "c=2")], printed  # fmt: skip
+    assert len(re.findall(r": ready in", printed)) == 3  # one switch saved at the c=1/c=2 boundary
+    # ... and come back configuration by configuration
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert [(r["config"], r["method"], r["concurrency"]) for r in runs] == [
+        ("none", "none", 1), ("none", "none", 2), ("dynamic", "mtp", 1), ("dynamic", "mtp", 2)]  # fmt: skip
+    for r in runs:
+        for key, kind in RUN_KEYS.items():
+            assert isinstance(r[key], kind) or (kind is float and isinstance(r[key], int)), (key, r[key])
+        assert (r["requests"], r["errors"], r["output_tokens"]) == (2, 0, 16)
+        assert r["mean_ttft_s"] <= r["mean_latency_s"] <= r["p99_latency_s"] + 1e-9
+        assert r["mean_acceptance_length"] >= 1.0 and r["scheduler_p99_ms"] >= 0
+        assert set(r["by_kind"]) == {"code", "shuffled"}
+    assert runs[0]["mean_acceptance_length"] == 1.0 and runs[0]["mean_draft_tokens_per_step"] == 0.0
+    assert doc["meta"]["argv"] == argv[1:] and doc["meta"]["workload"] == "mixed" and doc["meta"]["prompts"] == 4
+
+    assert re.search(r"none\s+none\s+c=1\s+[\d.]+\s+1\.00x\s+[\d.]+\s+1\.00x", printed), printed
+    assert re.search(r"dynamic\s+mtp\s+c=2\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+x", printed), printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,99 @@
+"""``lightspec_backend.bench.stats``: quantiles, client-side numbers, medians over rounds, ratios."""
+
+from __future__ import annotations
+
+import pytest
+from lightspec_backend.bench.client import Record
+from lightspec_backend.bench.stats import (
+    client_stats,
+    dynamic_vs_static,
+    histogram_quantile,
+    kind_stats,
+    median_runs,
+    ratio_rows,
+)
+
+
+def test_histogram_quantile_follows_prometheus():
+    buckets = [(0.001, 50.0), (0.01, 90.0), (float("inf"), 100.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.001)
+    assert histogram_quantile(0.7, buckets) == pytest.approx(0.001 + 0.009 * 0.5)
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.01)  # +Inf bucket: largest finite bound
+    assert histogram_quantile(0.5, []) is None
+
+
+def _records() -> list[Record]:
+    return [
+        Record("code", t_send=0.0, t_first=0.1, t_last=0.5, t_end=0.5, tokens=5, responses=3, drafted=8, accepted=4),
+        Record("code", t_send=0.0, t_first=0.3, t_last=0.3, t_end=0.3, tokens=1, responses=1),
+        Record("code", t_send=0.0, t_end=0.2, error="boom"),
+    ]
+
+
+def test_client_stats_from_records():
+    s = client_stats(_records(), duration=1.0)
+    assert (s["requests"], s["errors"], s["output_tokens"]) == (3, 1, 6)
+    assert s["throughput_tok_s"] == 6.0
+    assert s["mean_latency_s"] == pytest.approx(0.4) and s["mean_ttft_s"] == pytest.approx(0.2)
+    assert s["mean_itl_s"] == pytest.approx(0.4 / 4)
+    assert s["acceptance_rate"] == 0.5 and s["tokens_per_step"] == pytest.approx(4 / 2)
+    failed = client_stats(_records()[2:], duration=1.0)  # no successful request: no latencies
+    assert failed["mean_latency_s"] is None and failed["mean_itl_s"] is None
+
+
+def test_kind_stats_split_the_successful_requests_by_prompt_kind():
+    recs = [*_records(), Record("shuffled", t_send=0.0, t_first=0.2, t_last=0.8, t_end=0.8, tokens=3, responses=3)]
+    kinds = kind_stats(recs)
+    assert set(kinds) == {"code", "shuffled"}
+    assert kinds["code"]["requests"] == 2 and kinds["code"]["acceptance_rate"] == 0.5
+    assert kinds["shuffled"]["acceptance_rate"] is None and kinds["shuffled"]["tokens_per_step"] == 1.0
+
+
+def test_ratios_compare_with_none_at_the_same_load():
+    def run(method, c, tps, lat):
+        return {"method": method, "concurrency": c, "rate": None, "throughput_tok_s": tps, "mean_latency_s": lat}
+
+    runs = [run("none", 1, 100, 1.0), run("mtp", 1, 150, 0.5), run("none", 4, 200, 2.0), run("mtp", 4, 100, 4.0),
+            {**run("mtp", None, 90, 1.0), "rate": 2.0}]  # fmt: skip
+    rows = {(r["method"], r["concurrency"]): r for r in ratio_rows(runs)}
+    assert rows[("mtp", 1)]["throughput_ratio"] == 1.5 and rows[("mtp", 1)]["latency_ratio"] == 0.5
+    assert rows[("mtp", 4)]["throughput_ratio"] == 0.5 and rows[("mtp", 4)]["latency_ratio"] == 2.0
+    assert rows[("mtp", None)]["throughput_ratio"] is None  # no none run at that rate
+
+
+def test_repeats_keep_the_median_throughput_run_per_configuration_and_load():
+    def run(model, c, tps, rnd):
+        return {"model": model, "concurrency": c, "rate": None, "throughput_tok_s": tps, "repeat": rnd}
+
+    runs = [run("a", 1, 10.0, 0), run("b", 1, 5.0, 0), run("a", 1, 30.0, 1), run("b", 1, 6.0, 1),
+            run("a", 1, 20.0, 2), run("b", 1, 1.0, 2)]  # fmt: skip
+    merged = median_runs(runs)
+    assert [(r["model"], r["throughput_tok_s"], r["repeat"]) for r in merged] == [("a", 20.0, 2), ("b", 5.0, 0)]
+    assert merged[0]["throughput_repeats"] == [10.0, 30.0, 20.0]
+
+
+def test_dynamic_is_compared_with_the_best_static_depth_per_level_round_by_round_and_on_average():
+    def run(config, method, c, repeats):
+        ranked = sorted(repeats)
+        return {"config": config, "method": method, "concurrency": c, "rate": None,
+                "throughput_tok_s": ranked[(len(ranked) - 1) // 2], "throughput_repeats": repeats}  # fmt: skip
+
+    runs = [run("none", "none", 1, [100, 80, 90]), run("none", "none", 8, [400, 400, 400]),
+            run("static:1", "mtp", 1, [150, 120, 130]), run("static:4", "mtp", 1, [200, 100, 170]),
+            run("static:1", "mtp", 8, [700, 600, 640]), run("static:4", "mtp", 8, [500, 500, 520]),
+            run("dynamic", "mtp", 1, [180, 110, 160]), run("dynamic", "mtp", 8, [720, 560, 600])]  # fmt: skip
+    rows = dynamic_vs_static(runs)
+    by_load = {r["load"]: r for r in rows}
+    assert list(by_load) == [1, 8, None]  # the levels, then their mean
+    # c=1: static:4 has the best median (170 > 130); dynamic's median 160
+    assert by_load[1]["best_static"] == "static:4" and by_load[1]["ratio"] == pytest.approx(160 / 170)
+    assert by_load[1]["rounds"] == pytest.approx([180 / 200, 110 / 100, 160 / 170])
+    assert by_load[1]["dynamic_x_none"] == pytest.approx(160 / 90)
+    # c=8: static:1 is the best there
+    assert by_load[8]["best_static"] == "static:1" and by_load[8]["ratio"] == pytest.approx(600 / 640)
+    # over the levels: static:1 averages (130/90 + 640/400) / 2 = 1.522x none, static:4 (170/90 + 500/400) / 2
+    # = 1.569x: static:4 is the best on average, and dynamic's (160/90 + 600/400) / 2 = 1.639x is 1.04x it
+    mean = by_load[None]
+    assert mean["best_static"] == "static:4"
+    assert mean["ratio"] == pytest.approx((160 / 90 + 600 / 400) / (170 / 90 + 500 / 400))
+    assert dynamic_vs_static([r for r in runs if r["config"] != "dynamic"]) == []
