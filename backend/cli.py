@@ -13,9 +13,10 @@ import queue
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from .launcher import PACKAGE_DIR, TritonServer, default_cache_dir
+from .launcher import BACKEND_NAME, PACKAGE_DIR, TritonServer, default_cache_dir
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}  # Triton's; 0 picks free ports
 
@@ -30,8 +31,8 @@ def _overrides(args) -> dict[str, str]:
     out = {}
     for item in args.set or []:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a config.pbtxt parameter)")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE (a config.pbtxt parameter)")
         out[key.strip()] = value.strip()
     for key in ("model_dir", "speculation", "policy"):
         if getattr(args, key):
@@ -45,7 +46,7 @@ def _repository(args) -> Path:
     overrides = _overrides(args)
     if args.model_repository:
         if overrides:
-            raise SystemExit(
+            raise ValueError(
                 "--set/--model-dir/--speculation/--policy generate a repository; "
                 "edit config.pbtxt instead when passing --model-repository"
             )
@@ -55,51 +56,121 @@ def _repository(args) -> Path:
     return write_model_repository(default_cache_dir() / "model_repository", overrides)
 
 
-def serve(args) -> int:
-    repo = _repository(args)
-    ports = {
-        k: (getattr(args, f"{k}_port") if getattr(args, f"{k}_port") is not None else v)
-        for k, v in DEFAULT_PORTS.items()
-    }
-    server = TritonServer(
+def _backend_of(config_pbtxt: Path) -> str:
+    """The ``backend`` a config.pbtxt names, parsed with Triton's own protobuf schema."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        return text_format.Parse(config_pbtxt.read_text(), model_config_pb2.ModelConfig()).backend
+    except text_format.ParseError as e:
+        raise ValueError(f"{config_pbtxt}: {e}") from None
+
+
+def validate_repository(repo: Path) -> list[str]:
+    """Check every LightSpec model in ``repo`` as the backend does when Triton loads it: parameters,
+    checkpoints, and the orchestrator's stage models. Raise ``ValueError`` naming the file, the
+    parameter and the value; return notes about stage models that could not be checked.
+
+    Every model's parameters are parsed before any checkpoint is looked at, so a bad value fails
+    before anything heavier than the parser is imported."""
+    from .params import Role, check_checkpoints, check_stage_configs, parse_backend_config, read_config_parameters
+
+    if not repo.is_dir():
+        raise ValueError(f"--model-repository {str(repo)!r}: not a directory")
+    configs = {}
+    for path in sorted(repo.glob("*/config.pbtxt")):
+        if _backend_of(path) == BACKEND_NAME:
+            try:
+                configs[path] = parse_backend_config(read_config_parameters(path), base_dir=repo)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+    notes = []
+    for path, config in configs.items():
+        try:
+            check_checkpoints(config)
+            if config.role is Role.ORCHESTRATOR:
+                notes += check_stage_configs(config, repo)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return notes
+
+
+def _port(args, name: str) -> int | None:
+    port = getattr(args, f"{name}_port")
+    port = DEFAULT_PORTS[name] if port is None else port
+    return port or None  # TritonServer picks a free port for None
+
+
+def _server(args, repo: Path) -> TritonServer:
+    return TritonServer(
         repo,
-        http_port=ports["http"] or None,
-        grpc_port=ports["grpc"] or None,
-        metrics_port=ports["metrics"] or None,
+        http_port=_port(args, "http"),
+        grpc_port=_port(args, "grpc"),
+        metrics_port=_port(args, "metrics"),
         stream_logs=args.verbose,
         log_verbose=args.log_verbose,
         tritonserver=args.tritonserver,
     )
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+def _print_endpoints(server: TritonServer, verbose: bool) -> None:
+    print(
+        f"LightSpec is serving (tritonserver pid {server.pid}):\n"
+        f'  gRPC     {server.grpc_url}    try: lightspec generate "def fib(n):" --url {server.grpc_url}\n'
+        f"  HTTP     http://{server.http_url}/v2/models/lightspec/generate (and /generate_stream)\n"
+        f"  metrics  {server.metrics_url}\n"
+        + ("" if verbose else f"  log      {server.log_file}\n")
+        + "Ctrl-C to stop.",
+        flush=True,
+    )
+
+
+def _sample(args, server: TritonServer) -> int:
+    print(f"\nSample completion of {args.sample!r} (gRPC stream):", flush=True)
+    sample = argparse.Namespace(
+        prompt=args.sample, max_tokens=args.sample_tokens, url=server.grpc_url, model="lightspec",
+        no_stream=False, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
+        num_draft_tokens=None, timeout=300.0,
+    )  # fmt: skip
+    return generate(sample)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _run(args, server: TritonServer) -> int:
+    """Start the server, print where it listens, and serve until it exits or is interrupted."""
+    server.start(timeout_s=args.startup_timeout)
+    _print_endpoints(server, args.verbose)
+    if args.sample and _sample(args, server) != 0:
+        return 1
+    while server.is_alive():
+        time.sleep(0.5)
+    print(f"tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+    return 1
+
+
+def serve(args) -> int:
+    """Validate the repository, then run tritonserver on it. A bad parameter is the last line printed
+    (exit 2), before any server starts."""
+    try:
+        repo = _repository(args)
+        for note in validate_repository(repo):
+            print(note, flush=True)
+    except ValueError as e:
+        print(f"lightspec serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        server = _server(args, repo)
+    except RuntimeError as e:  # no tritonserver found
+        print(f"lightspec serve: {e}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     print(f"Starting tritonserver ({server.install.binary}) with {repo} ...", flush=True)
     try:
-        server.start(timeout_s=args.startup_timeout)
-        print(
-            f"LightSpec is serving (tritonserver pid {server.pid}):\n"
-            f'  gRPC     {server.grpc_url}    try: lightspec generate "def fib(n):" --url {server.grpc_url}\n'
-            f"  HTTP     http://{server.http_url}/v2/models/lightspec/generate (and /generate_stream)\n"
-            f"  metrics  {server.metrics_url}\n"
-            + ("" if args.verbose else f"  log      {server.log_file}\n")
-            + "Ctrl-C to stop.",
-            flush=True,
-        )
-        if args.sample:
-            print(f"\nSample completion of {args.sample!r} (gRPC stream):", flush=True)
-            sample = argparse.Namespace(
-                prompt=args.sample, max_tokens=args.sample_tokens, url=server.grpc_url, model="lightspec",
-                no_stream=False, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
-                num_draft_tokens=None, timeout=300.0,
-            )
-            if generate(sample) != 0:
-                return 1
-        while server.is_alive():
-            time.sleep(0.5)
-        print(f"tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
-        return 1
+        return _run(args, server)
     except KeyboardInterrupt:
         print("\nStopping tritonserver ...", flush=True)
         return 0
@@ -114,16 +185,16 @@ def _inputs(args) -> list:
     from .client import grpc_inputs
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    tensors = dict(
-        text_input=prompt,
-        max_tokens=args.max_tokens,
-        stream=not args.no_stream,
-        exclude_input_in_output=True,
-        return_num_output_tokens=True,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-    )
+    tensors = {
+        "text_input": prompt,
+        "max_tokens": args.max_tokens,
+        "stream": not args.no_stream,
+        "exclude_input_in_output": True,
+        "return_num_output_tokens": True,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+    }
     if args.seed is not None:
         tensors["seed"] = args.seed
     if args.num_draft_tokens is not None:
@@ -133,45 +204,70 @@ def _inputs(args) -> list:
     return grpc_inputs(**tensors)
 
 
-def generate(args) -> int:
-    import tritonclient.grpc as grpcclient
+@dataclass
+class _Progress:
+    """One request's stream as ``generate`` prints it: text to stdout, counts for the summary."""
+
+    t0: float
+    first: float | None = None  # when the first text arrived
+    tokens: int = 0
+    last: object = None  # the last result with outputs (its counters are the request's totals)
+
+    def add(self, result) -> None:
+        text = result.as_numpy("text_output")
+        if text is not None and text.size:
+            if self.first is None:
+                self.first = time.perf_counter()
+            sys.stdout.write(text.reshape(-1)[0].decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+        n = result.as_numpy("num_output_tokens")
+        self.tokens += int(n.reshape(-1)[0]) if n is not None else 0
+        self.last = result
+
+    def summary(self, elapsed: float, streamed: bool) -> str:
+        last = self.last
+        reason = last.as_numpy("finish_reason").reshape(-1)[0].decode()
+        drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
+        accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+        rate = float(last.as_numpy("acceptance_rate").reshape(-1)[0])
+        ttft = (
+            f", first token after {1000 * (self.first - self.t0):.0f} ms" if self.first is not None and streamed else ""
+        )
+        return (
+            f"[{self.tokens} tokens in {elapsed:.2f}s: {self.tokens / elapsed:.1f} tokens/s{ttft}; "
+            f"finish_reason={reason}; acceptance rate {100 * rate:.1f}% ({accepted}/{drafted} draft tokens)]"
+        )
+
+
+def _receive(results: queue.Queue, timeout: float, progress: _Progress) -> str | None:
+    """Read one request's stream until its final response; return the error, or ``None``."""
     from tritonclient.utils import InferenceServerException
 
     from .client import is_final
 
+    while True:
+        try:
+            result, error = results.get(timeout=timeout)
+        except queue.Empty:
+            return f"no response for {timeout}s"
+        if error is not None:
+            return f"error: {error.message() if isinstance(error, InferenceServerException) else error}"
+        if result.get_response().outputs:
+            progress.add(result)
+        if is_final(result):
+            return None
+
+
+def generate(args) -> int:
+    import tritonclient.grpc as grpcclient
+
     client = grpcclient.InferenceServerClient(args.url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    t0 = time.perf_counter()
-    first = None
-    tokens, last = 0, None
+    progress = _Progress(time.perf_counter())
     try:
         client.async_stream_infer(args.model, _inputs(args), enable_empty_final_response=True)
-        while True:
-            try:
-                result, error = results.get(timeout=args.timeout)
-            except queue.Empty:
-                print(f"\nno response for {args.timeout}s", file=sys.stderr)
-                return 1
-            if error is not None:
-                print(
-                    f"\nerror: {error.message() if isinstance(error, InferenceServerException) else error}",
-                    file=sys.stderr,
-                )
-                return 1
-            response = result.get_response()
-            if response.outputs:
-                text = result.as_numpy("text_output")
-                if text is not None and text.size:
-                    if first is None:
-                        first = time.perf_counter()
-                    sys.stdout.write(text.reshape(-1)[0].decode("utf-8", errors="replace"))
-                    sys.stdout.flush()
-                n = result.as_numpy("num_output_tokens")
-                tokens += int(n.reshape(-1)[0]) if n is not None else 0
-                last = result
-            if is_final(result):
-                break
+        error = _receive(results, args.timeout, progress)
     except KeyboardInterrupt:
         client.stop_stream(cancel_requests=True)
         print("\n[cancelled]", file=sys.stderr)
@@ -179,19 +275,13 @@ def generate(args) -> int:
     finally:
         client.stop_stream()
         client.close()
-    elapsed = time.perf_counter() - t0
+    if error is not None:
+        print(f"\n{error}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - progress.t0
     print()
-    if last is not None:
-        reason = last.as_numpy("finish_reason").reshape(-1)[0].decode()
-        drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
-        accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
-        rate = float(last.as_numpy("acceptance_rate").reshape(-1)[0])
-        ttft = f", first token after {1000 * (first - t0):.0f} ms" if first is not None and not args.no_stream else ""
-        print(
-            f"[{tokens} tokens in {elapsed:.2f}s: {tokens / elapsed:.1f} tokens/s{ttft}; finish_reason={reason}; "
-            f"acceptance rate {100 * rate:.1f}% ({accepted}/{drafted} draft tokens)]",
-            file=sys.stderr,
-        )
+    if progress.last is not None:
+        print(progress.summary(elapsed, streamed=not args.no_stream), file=sys.stderr)
     return 0
 
 

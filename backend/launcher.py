@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import filecmp
+import functools
 import os
 import shutil
 import signal
@@ -35,6 +36,10 @@ import urllib.request
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 BACKEND_NAME = "lightspec"
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -197,10 +202,15 @@ def _orphaned_stubs(server_pid: int) -> dict[int, list[str]]:
     return out
 
 
-def _die_with_parent() -> None:
-    # Linux: the server gets SIGTERM if the launching process dies without stopping it.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _die_with_parent():
+    """A ``preexec_fn`` that makes the kernel send the server SIGTERM if the launching process dies
+    without stopping it (Linux ``PR_SET_PDEATHSIG``); ``None`` where libc has no ``prctl``. libc is
+    loaded here, in the parent, so the child between fork and exec only makes the one call."""
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return functools.partial(prctl, 1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
 
 
 class TritonServer:
@@ -290,7 +300,7 @@ class TritonServer:
         cmd += [f"--load-model={m}" for m in self.load_models]
         return cmd + self.extra_args
 
-    def start(self, timeout_s: float = 600.0) -> TritonServer:
+    def start(self, timeout_s: float = 600.0) -> Self:
         """Start the server and wait until it is ready; raise ``RuntimeError`` with the log tail if
         it exits or is not ready in ``timeout_s``."""
         backend_dir = build_backend_directory(self.install, self.cache_dir)
@@ -331,7 +341,7 @@ class TritonServer:
                 stderr=subprocess.STDOUT if out else None,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent(),  # noqa: PLW1509 - one prctl call; no other way to set it
             )
         finally:
             if out is not None:
@@ -339,16 +349,21 @@ class TritonServer:
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
+            if self.is_ready():
+                return
             time.sleep(0.25)
         raise RuntimeError(f"tritonserver not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def is_ready(self) -> bool:
+        """Whether the server answers its HTTP readiness check (every model loaded)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -391,7 +406,7 @@ class TritonServer:
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    def __enter__(self) -> TritonServer:
+    def __enter__(self) -> Self:
         if not self.is_alive():
             self.start()
         return self

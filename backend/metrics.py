@@ -17,7 +17,7 @@ metrics endpoint when its Python object is garbage-collected, so the reporter ke
 from __future__ import annotations
 
 _DECISION = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 6e-4, 7e-4, 8e-4, 9e-4, 1e-3, 1.25e-3, 1.5e-3, 2e-3, 2.5e-3,
-             5e-3, 1e-2]
+             5e-3, 1e-2]  # fmt: skip
 _LATENCY = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 HISTOGRAM_BUCKETS = {
     "time_to_first_token_seconds": _LATENCY,
@@ -36,7 +36,7 @@ DESCRIPTIONS = {
     "spec_decode_num_draft_tokens_per_pos_total": "Draft tokens proposed, per draft position",
     "spec_decode_num_steps_total": "Request-steps that carried at least one draft token",
     "spec_decode_num_stopped_drafts_total": "Draft slots the dynamic policy granted but a confidence stop left out",
-    "spec_decode_num_fused_drafts_total": "Drafts the target stage proposed with the previous step (mtp_model: fused)",
+    "spec_decode_num_fused_drafts_total": "Drafts the target stage proposed with the previous step (mtp: fused)",
     "num_preemptions_total": "Requests preempted for KV memory",
     "generation_tokens_total": "Generated tokens",
     "prompt_tokens_total": "Prompt tokens processed",
@@ -49,12 +49,14 @@ DESCRIPTIONS = {
     "time_per_output_token_seconds": "Time between generated tokens of a request",
     "e2e_request_latency_seconds": "Time from arrival to the final token",
     "scheduler_decision_seconds": "Time the scheduler spent choosing the batch and draft lengths",
-    "scheduler_decision_cpu_seconds": "CPU time of the engine thread in that decision (excludes waiting for "
-                                      "the GIL or a core)",
+    "scheduler_decision_cpu_seconds": (
+        "CPU time of the engine thread in that decision (excludes waiting for the GIL or a core)"
+    ),
     "draft_tokens_per_step": "Draft tokens chosen per request per step (k)",
     "stage_latency_seconds": "Latency of one stage call",
-    "policy_draft_cost_seconds": "Dynamic policy: what one more draft token costs a step at the current batch size "
-                                 "(verified and proposed)",
+    "policy_draft_cost_seconds": (
+        "Dynamic policy: what one more draft token costs a step at the current batch size (verified and proposed)"
+    ),
     "policy_step_excess_seconds": "Dynamic policy: measured target call time beyond the stage profile, per call",
     "policy_step_overhead_seconds": "Dynamic policy: measured step time outside the stages (engine, responses)",
 }

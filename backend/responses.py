@@ -58,11 +58,11 @@ def build_response(state: RequestState, delta: RequestDelta) -> dict[str, np.nda
             text = state.prompt_text + text
         ids = state.ids
     rate = state.num_accepted_tokens / state.num_draft_tokens if state.num_draft_tokens else 0.0
+    reason = (delta.finish_reason or "") if delta.finished else ""
     make = {
         "text_output": lambda: np.array([text.encode("utf-8")], dtype=object),
         "output_ids": lambda: np.array(ids, dtype=np.int64),
-        "finish_reason": lambda: np.array([(delta.finish_reason or "").encode() if delta.finished else b""],
-                                          dtype=object),
+        "finish_reason": lambda: np.array([reason.encode()], dtype=object),
         "total_draft_tokens": lambda: np.array([state.num_draft_tokens], dtype=np.int32),
         "total_accepted_draft_tokens": lambda: np.array([state.num_accepted_tokens], dtype=np.int32),
         "acceptance_rate": lambda: np.array([rate], dtype=np.float32),

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from lightspec_core import default_model_dir
-
 
 @pytest.fixture(scope="session")
 def smoke_model(tmp_path_factory) -> Path:
@@ -22,6 +20,10 @@ def smoke_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
+    from lightspec_core import default_model_dir  # the engine, and torch, only for tests that use it
+
     d = Path(default_model_dir())
-    assert (d / "model.safetensors").exists(), f"default model weights missing in {d}: run python tools/train_default.py"
+    assert (d / "model.safetensors").exists(), (
+        f"default model weights missing in {d}: run python tools/train_default.py"
+    )
     return d.parent

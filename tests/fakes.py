@@ -102,8 +102,9 @@ class FakeSender:
 
 
 class FakeRequest:
-    def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "", pb=None,
-                 requested_outputs: list[str] | None = None):
+    def __init__(
+        self, inputs: dict[str, np.ndarray], request_id: str = "", pb=None, requested_outputs: list[str] | None = None
+    ):
         self.inputs = {k: FakeTensor(k, v) for k, v in inputs.items()}
         self.sender = FakeSender()
         self._id = request_id
@@ -160,7 +161,7 @@ class FakeMetricFamily:
         self.metrics: list[FakeMetric] = []
         registry[name] = self
 
-    def Metric(self, labels: dict | None = None, buckets=None) -> FakeMetric:  # noqa: N802 - Triton's name
+    def Metric(self, labels: dict | None = None, buckets=None) -> FakeMetric:  # the name Triton's has
         m = FakeMetric(self, dict(labels or {}), buckets)
         self.metrics.append(m)
         return m

@@ -129,3 +129,13 @@ def test_cli_generates_a_repository_for_overrides(tmp_path, monkeypatch):
     repo = cli._repository(args)
     text = (repo / "lightspec" / "config.pbtxt").read_text()
     assert repo.parent == tmp_path and '"static:2"' in text and '"8"' in text
+
+
+def test_cli_validation_leaves_other_backends_models_alone(tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.pbtxt").write_text(
+        'name: "other"\nbackend: "onnxruntime"\nparameters [ { key: "policy" value: { string_value: "bogus" } } ]\n'
+    )
+    assert cli.validate_repository(tmp_path) == []
+    with pytest.raises(ValueError, match="not a directory"):
+        cli.validate_repository(tmp_path / "missing")

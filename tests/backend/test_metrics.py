@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightspec_backend.metrics import MetricsReporter
+
 from tests.fakes import FakeMetricFamily, FakePbUtils
 
 LABELS = {"model": "lightspec", "version": "1"}

@@ -11,9 +11,9 @@ import pytest
 from lightspec_backend.client import input_array
 from lightspec_backend.metrics import MetricsReporter
 from lightspec_backend.orchestrator import Orchestrator
-from tests.fakes import FakePbUtils, FakeRequest
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+from tests.fakes import FakePbUtils, FakeRequest
 
 
 def request(**tensors) -> FakeRequest:
@@ -100,7 +100,7 @@ def test_invalid_input_is_invalid_arg(served, tensors, fragment):
     r = request(**tensors)
     orch.submit(r)
     assert r.sender.wait_final(10)
-    ((resp, flags),) = r.sender.sent
+    ((resp, _flags),) = r.sender.sent
     assert resp.error().code() == pb.TritonError.INVALID_ARG and fragment in resp.error().message()
 
 

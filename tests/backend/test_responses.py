@@ -96,5 +96,11 @@ def test_only_the_requested_outputs_are_built():
     assert [sorted(o) for o in (outs[0], outs[2])] == [["finish_reason", "num_output_tokens", "output_ids"]] * 2
     assert outs[0]["output_ids"].tolist() == [10, 11] and outs[2]["finish_reason"][0] == b"length"
     everything = build_response(state(stream=True), deltas()[0])
-    assert {"text_output", "output_ids", "finish_reason", "total_draft_tokens", "total_accepted_draft_tokens",
-            "acceptance_rate"} == set(everything)
+    assert {
+        "text_output",
+        "output_ids",
+        "finish_reason",
+        "total_draft_tokens",
+        "total_accepted_draft_tokens",
+        "acceptance_rate",
+    } == set(everything)

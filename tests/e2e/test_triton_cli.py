@@ -1,5 +1,6 @@
 """``lightspec serve`` as a user runs it: a subprocess that prints its endpoints, serves, and stops
-cleanly (with its tritonserver) on SIGTERM and on Ctrl-C."""
+cleanly (with its tritonserver) on SIGTERM and on Ctrl-C; and one that refuses a bad parameter
+before it starts any tritonserver."""
 
 from __future__ import annotations
 
@@ -19,9 +20,7 @@ from lightspec_backend import cli
 from lightspec_backend.client import grpc_inputs, is_final
 from lightspec_backend.launcher import TritonServer
 
-from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-
-pytestmark = pytest.mark.triton
+PORTS = ["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
 
 
 def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
@@ -38,6 +37,7 @@ def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
     return out
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_prints_endpoints_serves_and_stops_cleanly(smoke_model, tmp_path, sig, capsys):
     env = {**os.environ, "LIGHTSPEC_CACHE": str(tmp_path / "cache")}
@@ -81,14 +81,73 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly(smoke_model, tmp_path, 
             proc.wait()
 
 
-def test_serve_refuses_overrides_with_an_explicit_repository(tmp_path):
-    with pytest.raises(SystemExit, match="--model-repository"):
-        cli.main(["serve", "--model-repository", str(tmp_path), "--policy", "off"])
+def fake_tritonserver(root: Path) -> tuple[Path, Path]:
+    """A ``tritonserver`` laid out as in the NGC image that only records that it was started: (the
+    binary, the file it creates)."""
+    (root / "backends" / "python").mkdir(parents=True)
+    (root / "bin").mkdir()
+    started = root / "started"
+    binary = root / "bin" / "tritonserver"
+    binary.write_text(f"#!/bin/sh\ntouch {started}\n")
+    binary.chmod(0o755)
+    return binary, started
 
 
+def run_serve(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, bool]:
+    """``python -X importtime -m lightspec_backend.cli serve ARGS`` with a fake tritonserver:
+    (the finished process, whether it started the server)."""
+    binary, started = fake_tritonserver(tmp_path / "triton")
+    env = {**os.environ, "LIGHTSPEC_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-X", "importtime", "-m", "lightspec_backend.cli", "serve", *args, *PORTS]
+    cmd += ["--tritonserver", str(binary)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return proc, started.exists()
+
+
+def imported_modules(importtime_stderr: str) -> set[str]:
+    return {
+        line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines() if line.startswith("import time:")
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--policy", "bogus"], ["policy", "bogus"]),
+        (["--set", "max_num_seqs=0"], ["max_num_seqs"]),
+        (["--set", "max_num_seqs"], ["--set", "max_num_seqs", "KEY=VALUE"]),
+        (["--set", "no_such_parameter=1"], ["no_such_parameter"]),
+    ],
+)
+def test_serve_names_a_bad_parameter_last_and_starts_no_server(tmp_path, args, named):
+    proc, started = run_serve(tmp_path, *args)
+    assert proc.returncode != 0
+    assert not started and "Starting tritonserver" not in proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert all(word in last for word in named), proc.stderr[-2000:]
+    torch = {m for m in imported_modules(proc.stderr) if m == "torch" or m.startswith("torch.")}
+    assert not torch  # parsing parameters needs no torch
+
+
+def test_serve_starts_the_server_once_the_repository_validates(tmp_path):
+    """The control for the test above: the same command with valid parameters reaches the fake
+    tritonserver (which exits at once, so serve fails after starting it)."""
+    proc, started = run_serve(tmp_path, "--policy", "static:2")
+    assert started and "Starting tritonserver" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 1
+
+
+def test_serve_refuses_overrides_with_an_explicit_repository(tmp_path, capsys):
+    assert cli.main(["serve", "--model-repository", str(tmp_path), "--policy", "off"]) == 2
+    assert "--model-repository" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.triton
 def test_checked_in_repository_serves_the_default_model(default_model, tmp_path):
     """``model_repository/`` as committed (empty model_dir: the embedded default model) loads and
     generates what the in-process engine generates, with MTP drafts accepted."""
+    from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+
     prompt = "def fibonacci(n):\n"
     engine = LLMEngine(EngineConfig())
     (want,) = engine.generate([prompt], SamplingParams(max_tokens=32))
