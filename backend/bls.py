@@ -30,8 +30,10 @@ class StageError(RuntimeError):
     """A stage model answered with an error or without an expected output."""
 
 
-# What Triton answers a BLS request for a model that has not finished loading.
-_NOT_LOADED = ("unknown model", "not found", "not ready", "no available version", "unavailable")
+# What Triton answers a BLS request to a model that has not finished loading, or from a model whose
+# own initialize has not returned yet (BLS works from other threads only once it has).
+_NOT_YET = ("unknown model", "not found", "not ready", "no available version", "unavailable",
+            "only supported during the 'execute' function")
 
 
 class BLSExecutor:
@@ -54,7 +56,8 @@ class BLSExecutor:
 
     def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
         """The stage model's cost profile (it took it while loading, see ``StageModel``). Stage
-        models load beside the orchestrator, so a request that finds one not loaded yet is retried."""
+        models load beside the orchestrator, so a request that finds one not loaded yet (or that
+        comes before the orchestrator's own initialize returned) is retried."""
         if stage not in self.stage_models:
             raise ValueError(f"stage {stage!r}: no stage model configured (known: {sorted(self.stage_models)})")
         model = self.stage_models[stage]
@@ -64,8 +67,8 @@ class BLSExecutor:
             try:
                 out = self._exec(model, [self.pb.Tensor("profile_spec", request)], ["profile"])["profile"]
                 break
-            except StageError as e:
-                if time.monotonic() > deadline or not any(s in str(e).lower() for s in _NOT_LOADED):
+            except (StageError, self.pb.TritonModelException) as e:
+                if time.monotonic() > deadline or not any(s in str(e).lower() for s in _NOT_YET):
                     raise
                 time.sleep(0.2)
         raw = out.reshape(-1)[0]

@@ -61,7 +61,7 @@ class _OrchestratorModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             self.orchestrator.submit(request)
-        return None  # decoupled: responses go through each request's response sender
+        # decoupled: responses go through each request's response sender
 
     def finalize(self) -> None:
         self.orchestrator.shutdown()
@@ -84,7 +84,7 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     stages = {s: config.stage_models[s] for s in config.stages_in_use()}
     executor = BLSExecutor(stages, pb_utils)
     if config.engine.speculative and config.local_stage(config.engine.speculation):
-        from lightspec_core.engine.engine import resolve_dirs
+        from lightspec_core.config import resolve_dirs
         from lightspec_core.stages.executor import LocalExecutor, RoutingExecutor
         from lightspec_core.stages.mtp import MTPRunner
 
@@ -126,7 +126,7 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     from lightspec_backend.params import available_cpus, stage_threads
     from lightspec_backend.stage import StageModel
 
-    from lightspec_core.engine.engine import resolve_dirs
+    from lightspec_core.config import resolve_dirs
     from lightspec_core.stages.memory import keep_freed_memory
     from lightspec_core.stages.mtp import MTPRunner
     from lightspec_core.stages.target import ModelRunner
@@ -170,7 +170,7 @@ def _take_profile(stage, config, target_dir: str) -> None:
     t0 = time.perf_counter()
     try:
         stage.take_profile(ProfileSpec.for_engine(cfg, model, cfg.context_length(model.max_position_embeddings)))
-    except Exception as e:  # an optimisation: the engine asks again, or plans with generic costs
+    except Exception as e:  # noqa: BLE001 - an optimisation: the engine asks again, or plans with generic costs
         pb_utils.Logger.log_warn(f"[lightspec] {config.role.value} stage: profile failed ({e})")
         return
     pb_utils.Logger.log_info(f"[lightspec] {config.role.value} stage: profiled in {time.perf_counter() - t0:.1f} s")

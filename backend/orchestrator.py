@@ -18,6 +18,7 @@ A metrics thread publishes engine statistics, which the engine loop snapshots at
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -143,6 +144,9 @@ class Orchestrator:
     # -- engine loop: the only thread that touches the engine ---------------------------------
 
     def _engine_loop(self) -> None:
+        if self.engine.profile_pending:
+            # the stages took their profiles while loading; fetch them now, before any request
+            self.engine.profile_stages()
         while True:
             busy = self.engine.has_unfinished()
             for cmd in self._take_commands(block=not busy):
@@ -190,17 +194,8 @@ class Orchestrator:
         their thread at the same moment, for the same reason."""
         try:
             deltas = self.engine.step(on_launched=self._after_launch)
-        except Exception as e:  # a stage or engine failure: fail what is in flight, keep serving
-            self._release_held()
-            self.log.log_error(f"[lightspec] engine step failed: {traceback.format_exc()}")
-            for rid in list(self._in_engine):
-                self._finish_with_error(rid, "INTERNAL", f"engine step failed: {e}")
-                try:
-                    self.engine.abort(rid)
-                except Exception:  # the engine may be unable to abort after a failure; noted already
-                    pass
-            self._in_engine.clear()
-            time.sleep(0.05)  # do not spin if every step keeps failing
+        except Exception as e:  # noqa: BLE001 - a stage or engine failure: fail what is in flight, keep serving
+            self._fail_in_flight(e)
             return
         with self._live_lock:
             entries = {d.request_id: self._live.get(d.request_id) for d in deltas}
@@ -212,6 +207,18 @@ class Orchestrator:
             # response thread drops them because their error response closed them first (FIFO).
             if entry is not None:
                 self._held.append((entry, d))
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        """After a failed step: answer every request in the engine with INTERNAL and abort it."""
+        self._release_held()
+        self.log.log_error(f"[lightspec] engine step failed: {traceback.format_exc()}")
+        for rid in list(self._in_engine):
+            self._finish_with_error(rid, "INTERNAL", f"engine step failed: {error}")
+            # the engine may be unable to abort after a failure, which is logged above already
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+        self._in_engine.clear()
+        time.sleep(0.05)  # do not spin if every step keeps failing
 
     def _after_launch(self) -> None:
         """The engine waits for the target stage now: the time for the other threads' work."""
@@ -270,7 +277,7 @@ class Orchestrator:
                     continue
                 try:
                     final = self._send(entry, payload)
-                except Exception:  # a broken client connection must not stop other responses
+                except Exception:  # noqa: BLE001 - a broken client connection must not stop other responses
                     self.log.log_error(f"[lightspec] sending a response failed: {traceback.format_exc()}")
                     final = True
                 entry.closed = final
@@ -304,16 +311,19 @@ class Orchestrator:
             with self._live_lock:
                 entries = [e for e in self._live.values() if not e.abort_queued and not e.closed]
             for entry in entries:
-                with entry.lock:
-                    if entry.closed:
-                        continue
-                    try:
-                        cancelled = entry.sender.is_cancelled()
-                    except Exception:  # request already completed on the server side
-                        continue
-                if cancelled:
+                if self._is_cancelled(entry):
                     entry.abort_queued = True
                     self._inbox.put(("abort", entry.id))
+
+    @staticmethod
+    def _is_cancelled(entry: _Entry) -> bool:
+        with entry.lock:
+            if entry.closed:
+                return False
+            try:
+                return entry.sender.is_cancelled()
+            except Exception:  # noqa: BLE001 - the request completed on the server side already
+                return False
 
     # -- metrics thread ---------------------------------------------------------------------------
 
@@ -331,7 +341,7 @@ class Orchestrator:
                 observations = [o for _, obs in items for o in obs]
                 try:
                     self.reporter.publish(items[-1][0], observations)
-                except Exception:  # metrics must never take the model down
+                except Exception:  # noqa: BLE001 - metrics must never take the model down
                     self.log.log_error(f"[lightspec] publishing metrics failed: {traceback.format_exc()}")
             if stop:
                 return

@@ -99,12 +99,10 @@ def stage_threads(configured: int, cpus: int) -> StageThreads:
     one thread per CPU but one, leaving a core to the orchestrator's process (engine loop, local MTP
     heads, responses), and a large call one per CPU.
 
-    Measured with the default model on 2 cores (README, Benchmarks). A small call has little to
-    split, and a second OpenMP worker, which spins for milliseconds after each parallel region, holds
-    the core the orchestrator needs next: in back-to-back c=1 runs one thread instead of two took the
-    mean step from 4.38 to 3.79 ms without speculation and from 8.24 to 6.61 ms with 4 MTP drafts. A
-    verification call of 64 requests x 5 tokens is compute: with one thread for every call the target
-    call of static:4 at c=64 took 62-68 ms (two sweeps) against 50-56 ms with two (three sweeps)."""
+    A small call has little to split, and a second OpenMP worker, which spins for milliseconds after
+    each parallel region, holds the core the orchestrator needs next: one thread makes a lone
+    request's steps faster. A verification call of 64 requests x 5 tokens is compute, and two
+    threads make it faster (docs/benchmarks.md)."""
     if configured > 0:
         return StageThreads(configured, configured)
     return StageThreads(max(1, cpus - 1), cpus)
@@ -180,7 +178,7 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
 
 def check_checkpoints(config: BackendConfig) -> None:
     """Fail early, naming the parameter, when a checkpoint this role needs is not there."""
-    from lightspec_core.engine.engine import resolve_dirs
+    from lightspec_core.config import resolve_dirs
 
     target, mtp, draft = resolve_dirs(config.engine)
     role = config.role

@@ -94,7 +94,7 @@ class StageModel:
             result = self.runner.execute(call)
         except ValueError as e:
             return pb.InferenceResponse(error=pb.TritonError(str(e), pb.TritonError.INVALID_ARG))
-        except Exception as e:  # a runner failure answers this call; the engine fails its requests
+        except Exception as e:  # noqa: BLE001 - a runner failure answers this call; the engine fails its requests
             pb.Logger.log_error(f"[lightspec] stage failed: {traceback.format_exc()}")
             return pb.InferenceResponse(error=pb.TritonError(f"{type(e).__name__}: {e}", pb.TritonError.INTERNAL))
         return pb.InferenceResponse(

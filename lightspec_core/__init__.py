@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import importlib
 
-from .config import EngineConfig, SamplingParams, SpecMethod
+from .config import EngineConfig, SamplingParams, SpecMethod, default_model_dir
 
 # The engine pulls in torch (about a second to import); configuration and validation do not need it,
 # so ``lightspec serve`` can check every parameter before it starts a server.
 _LAZY = {
     "LLMEngine": ".engine.engine",
-    "default_model_dir": ".engine.engine",
     "RequestDelta": ".engine.outputs",
     "RequestOutput": ".engine.outputs",
 }
 
-__all__ = ["EngineConfig", "SamplingParams", "SpecMethod", *_LAZY]
+__all__ = ["EngineConfig", "LLMEngine", "RequestDelta", "RequestOutput", "SamplingParams", "SpecMethod", "default_model_dir"]
 
 
 def __getattr__(name: str):

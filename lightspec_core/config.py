@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
+
+DEFAULT_MODEL_ROOT = Path(__file__).resolve().parent / "default_model"
 
 
 class SpecMethod(str, Enum):
@@ -166,3 +169,16 @@ class EngineConfig:
     @property
     def speculative(self) -> bool:
         return self.method is not SpecMethod.NONE and self.policy_kind != "off" and self.max_draft_tokens > 0
+
+
+def default_model_dir() -> str:
+    """Directory of the embedded default target checkpoint (HF layout)."""
+    return str(DEFAULT_MODEL_ROOT / "target")
+
+
+def resolve_dirs(cfg: EngineConfig) -> tuple[str, str, str]:
+    """(target, mtp, draft) checkpoint directories; MTP heads and draft model default to the
+    siblings ``mtp`` and ``draft`` of the target directory."""
+    target = cfg.model_dir or default_model_dir()
+    parent = Path(target).parent
+    return target, cfg.mtp_dir or str(parent / "mtp"), cfg.draft_dir or str(parent / "draft")

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from tools.bench_engine import code_prompts
-from tools.bench_runner import step_call
-from lightspec_core.stages.target import ModelRunner
 from lightspec_core.stages.contract import MTPCall
 from lightspec_core.stages.mtp import MTPRunner
+from lightspec_core.stages.target import ModelRunner
+from tools.bench_engine import code_prompts
+from tools.bench_runner import step_call
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,13 +13,12 @@ import logging
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
-from typing import Callable
 
 import torch
 
-from ..config import EngineConfig, SamplingParams, SpecMethod
+from ..config import EngineConfig, SamplingParams, SpecMethod, resolve_dirs
 from ..models.llama import LlamaConfig
 from ..models.tokenizer import IncrementalDetokenizer, TokenizerInfo
 from ..spec.acceptance import AcceptanceStats
@@ -42,21 +41,7 @@ from .stats import RuntimeStats
 from .step import InFlight, pack_step, target_probs
 from .text import take_delta, truncate_at_stop
 
-DEFAULT_MODEL_ROOT = Path(__file__).resolve().parents[1] / "default_model"
 log = logging.getLogger("lightspec")
-
-
-def default_model_dir() -> str:
-    """Directory of the embedded default target checkpoint (HF layout)."""
-    return str(DEFAULT_MODEL_ROOT / "target")
-
-
-def resolve_dirs(cfg: EngineConfig) -> tuple[str, str, str]:
-    """(target, mtp, draft) checkpoint directories; MTP heads and draft model default to the
-    siblings ``mtp`` and ``draft`` of the target directory."""
-    target = cfg.model_dir or default_model_dir()
-    parent = Path(target).parent
-    return target, cfg.mtp_dir or str(parent / "mtp"), cfg.draft_dir or str(parent / "draft")
 
 
 def build_local_executor(cfg: EngineConfig) -> LocalExecutor:
@@ -270,7 +255,7 @@ class LLMEngine:
     def _complete(self, f: InFlight) -> list[RequestDelta]:
         try:
             res = f.future.result()
-        except Exception as e:  # a stage failure fails this micro-batch only; the engine goes on
+        except Exception as e:  # noqa: BLE001 - a stage failure fails this micro-batch only; the engine goes on
             return [d for it in f.plan.items if (d := self._finish(it.seq, "error", f"stage failure: {e}"))]
         self._observe_target(f)
         probs = target_probs(f, res.logits) if len(res.logits) else None

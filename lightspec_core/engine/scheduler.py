@@ -98,35 +98,21 @@ class Scheduler:
         in_plan: set[str] = set()
         budget = self.token_budget
         items = plan.items
-        tables, bs, running = self.blocks.tables, self.blocks.block_size, Status.RUNNING
+        running = Status.RUNNING
         cands: list[ScheduledSeq] = []  # decoding requests that may draft (newest token fed, proposers warm)
         prefill = longest = 0  # prompt-chunk tokens; the longest context a request reaches this step
         for seq in list(self.running):
             if len(items) >= max_seqs or budget <= 0:
                 break
-            rid = seq.request_id
-            if rid in busy or seq.status is not running:
+            if seq.request_id in busy or seq.status is not running:
                 continue
-            # the common case inline (a decoding request whose slots exist): this loop runs for
-            # every running request every step
-            todo = len(seq.token_ids) - seq.num_computed
-            n = todo if todo < budget else budget
-            end = seq.num_computed + n
-            if len(tables.get(rid, ())) * bs >= end:
-                item = ScheduledSeq(seq, n, 0, n == todo)
-                if todo != 1:
-                    prefill += n
-                elif seq.warm:  # decoding: one token, the newest
-                    cands.append(item)
-            else:
-                item = self._schedule_running(seq, budget, busy, in_plan)
-                if item is None:
-                    continue
-                prefill += self._sort(item, cands)
-            if end > longest:
-                longest = end
+            item = self._schedule_running(seq, budget, busy, in_plan)
+            if item is None:
+                continue
+            prefill += self._sort(item, cands)
+            longest = max(longest, item.start + item.num_new)
             items.append(item)
-            in_plan.add(rid)
+            in_plan.add(seq.request_id)
             budget -= item.num_new
         admitted = len(items)
         budget = self._admit(plan, in_plan, budget, max_seqs)
@@ -266,7 +252,7 @@ class Scheduler:
             n_tok = len(seq.token_ids)
             limit = min(max_k, seq.draft_cap_asked, seq.end_len - n_tok - 1,
                         len(tables[seq.request_id]) * bs - n_tok + free_slots)
-            limits.append(limit if limit > 0 else 0)
+            limits.append(max(0, limit))
             alphas.append(request_alphas(seq.pos_reached, seq.pos_accepted, rates[seq.sampled], max_k))
             sampled.append(seq.sampled)
         return PolicyBatch(limits, alphas, sampled)

@@ -105,12 +105,10 @@ class FoldedMTPHead:
       the (draft-vocabulary) LM head.
 
     A single row (a lone request, the common case at low load) has :meth:`one_row`, the same
-    arithmetic in numpy over the same memory: on the 2-core CPU of the benchmarks a numpy
-    matrix-vector product and elementwise op cost about half what torch's dispatch does for one row
-    (four heads after a target step, in process: 0.47-0.59 ms against 1.05-1.13 ms), and a server's
-    lone request pays its heads every step. More rows stay in torch: row by row in numpy was cheaper
-    in process up to 6 rows (1.39 against 1.59 ms) but not in the server at c=4
-    (``docs/results/ab_rowwise_heads.json``).
+    arithmetic in numpy over the same memory: for one row a numpy matrix-vector product and
+    elementwise op cost about half what torch's dispatch does, and a server's lone request pays its
+    heads every step. More rows stay in torch: row by row in numpy did not pay in the server
+    (docs/benchmarks.md).
     """
 
     def __init__(self, head: MTPHead, embed: torch.Tensor, lm_weight: torch.Tensor):
@@ -167,9 +165,9 @@ def single_thread_blas():
     numpy's OpenBLAS keeps its own pool of threads, one per core, beside torch's OpenMP pool; run
     right after a torch forward on a 2-core machine, a 256 x 1024 matrix-vector product handed to
     two OpenBLAS threads while torch's threads still spin waited up to a millisecond per head
-    instead of 0.1 ms: a fused target call at one request took 10-12 ms instead of 3-4 ms, in
-    phases that came and went (``docs/results/ab_single_thread_blas.json``). One thread is plenty
-    for a product of one row. Entering and leaving costs about 6 us.
+    instead of 0.1 ms, so a fused target call at one request took several times as long, in phases
+    that came and went. One thread is plenty for a product of one row. Entering and leaving costs
+    about 6 us.
 
     OpenBLAS's pool is shared by the process, and threadpoolctl lets only one Python thread control
     it (the first that sets a limit): where another thread runs lone rows (a second stage in a

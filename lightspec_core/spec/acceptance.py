@@ -72,7 +72,7 @@ class ConfidenceStats:
             b = self.bucket(confs[j])
             n = count[j][b] + 1.0
             count[j][b] = n
-            step = 1.0 / n if 1.0 / n > self.min_step else self.min_step
+            step = max(self.min_step, 1.0 / n)
             alpha[j][b] += step * ((1.0 if j < accepted else 0.0) - alpha[j][b])
 
     def table(self) -> np.ndarray:

@@ -90,10 +90,9 @@ class CostModel:
       per-step excess (``verify_extra``, seconds, exponentially averaged), and a draft keeps its
       profiled price. The excess is what serving adds to every call alike: the server's other
       processes (responses to every request, the client, the frontend) take CPU from the stage
-      whatever the step carries. Measured on the 2-core CPU at c=64 (eighth session): a plain step
-      took 34.6 ms through the server against 12 ms profiled, a 4-draft step 48-51 against 35 ms:
-      about the same 15-22 ms added, not the same factor. A factor (2.9 here) prices each draft at
-      three times its cost and the policy drafted 2.7 per request where drafting all 4 was faster.
+      whatever the step carries: through the server a plain step and a 4-draft step gain about the
+      same milliseconds over their profile, not the same factor, and a factor would price each
+      draft at several times its cost and under-draft (docs/benchmarks.md).
     - A generic target cost (no profile) and the proposer: a multiplicative scale (measured /
       predicted), so an estimate that is off by a factor (an n-gram lookup's real cost can be 100x
       its generic guess) is corrected in full, shape and level."""

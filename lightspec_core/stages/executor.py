@@ -31,8 +31,7 @@ def submit_timed(pool: ThreadPoolExecutor, fn, *args) -> Future:
     """``pool.submit(fn, *args)``, whose future carries ``t_done``, stamped in the worker when ``fn``
     returned, before the result is set. A done-callback stamps after ``set_result`` has woken the
     waiting thread, so its time depends on which thread the interpreter runs first; this one does
-    not. (In the server the two gave the same mean target-stage latency, within noise: A/B at c=1
-    and 4, ``docs/results/ab_stage_stamp.json``.)"""
+    not."""
     fut: Future = Future()
 
     def run() -> None:

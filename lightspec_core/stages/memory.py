@@ -28,9 +28,8 @@ def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: 
     from ``mmap`` and goes back with ``munmap``, and the next step pays a page fault and a zeroed
     page for every 4 KB of it. Serving blocks up to ``mmap_threshold`` from the heap, and keeping up
     to ``trim_threshold`` bytes of freed heap, makes a step reuse the memory the previous one freed.
-    In process, one thread: 64 requests x 1 token went from 48 to 22 ms, x 5 tokens from 73 to 48 ms
-    (``docs/bench_history.md``, eighth session). The cost is that a stage process keeps the memory
-    of its largest step until it exits."""
+    A full batch's step takes about half the time it does with the defaults (docs/benchmarks.md).
+    The cost is that a stage process keeps the memory of its largest step until it exits."""
     mallopt = _mallopt()
     if mallopt is None:
         return False

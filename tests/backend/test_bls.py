@@ -8,13 +8,13 @@ import pytest
 from lightspec_backend.bls import BLSExecutor, StageError
 from lightspec_backend.params import Role
 from lightspec_backend.stage import StageModel
-from tests.fakes import FakePbUtils, FakeRequest
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from lightspec_core.engine.engine import resolve_dirs
+from lightspec_core.config import resolve_dirs
 from lightspec_core.stages.contract import ModelCall
-from lightspec_core.stages.target import ModelRunner
 from lightspec_core.stages.mtp import MTPRunner
+from lightspec_core.stages.target import ModelRunner
+from tests.fakes import FakePbUtils, FakeRequest
 
 BLOCKS, BLOCK = 64, 16
 PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class A:\n    def"]

@@ -369,7 +369,7 @@ def test_cancelled_stream_frees_its_request_and_kv_blocks(server):
     assert metric(after, "request_failure_total") == failures_before + 1  # the engine counted it cancelled
     assert len(received) < 999
     # and the server still serves
-    (result,), err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=4)
+    (_result,), err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=4)
     assert err is None
 
 

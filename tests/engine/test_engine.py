@@ -7,11 +7,11 @@ from concurrent.futures import Future
 import pytest
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from lightspec_core.engine.engine import build_local_executor
-from lightspec_core.spec.calibrate import profile_propose, profile_verify
-from lightspec_core.spec.acceptance import ConfidenceStats
-from lightspec_core.spec.policy import Decision
 from lightspec_core.corpus import stdlib_files
+from lightspec_core.engine.engine import build_local_executor
+from lightspec_core.spec.acceptance import ConfidenceStats
+from lightspec_core.spec.calibrate import profile_propose, profile_verify
+from lightspec_core.spec.policy import Decision
 
 
 def heldout_prompts(n: int, tok_lens=(12, 20, 31, 45, 60, 75, 90, 110)) -> list[str]:
@@ -48,7 +48,7 @@ def exactness_setup(default_model):
 @pytest.mark.parametrize("tiny_pool", [False, True], ids=["pool", "tiny-pool"])
 def test_greedy_speculation_is_lossless(exactness_setup, method, policy, depth, tiny_pool):
     root, prompts, params, ref = exactness_setup
-    kw = dict(num_kv_blocks=40, block_size=8) if tiny_pool else {}
+    kw = {"num_kv_blocks": 40, "block_size": 8} if tiny_pool else {}
     outs, eng = run(root, prompts, params, speculation=method, policy=policy, pipeline_depth=depth, **kw)
     assert [o.output_token_ids for o in outs] == ref
     assert all(len(o.output_token_ids) == 64 for o in outs)
@@ -130,8 +130,8 @@ def test_bad_requests_are_rejected_with_the_field_named(smoke_model):
         eng.add_request("b", "")
     with pytest.raises(ValueError, match="max_tokens"):
         eng.add_request("c", "x = 1", SamplingParams(max_tokens=64))
-    for field, kw in [("max_tokens", dict(max_tokens=0)), ("temperature", dict(temperature=-1.0)),
-                      ("top_p", dict(top_p=0.0)), ("top_p", dict(top_p=1.5))]:
+    for field, kw in [("max_tokens", {"max_tokens": 0}), ("temperature", {"temperature": -1.0}),
+                      ("top_p", {"top_p": 0.0}), ("top_p", {"top_p": 1.5})]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="speculation"):
@@ -284,7 +284,7 @@ def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_
     never called for greedy requests, and every draft came fused. Sampled requests still draft on
     the ``mtp`` stage, and their outputs are those of the unfused engine (same draws)."""
     root, prompts, params, ref = exactness_setup
-    kw = dict(num_kv_blocks=40, block_size=8) if tiny_pool else {}
+    kw = {"num_kv_blocks": 40, "block_size": 8} if tiny_pool else {}
     eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="static:3",
                                  pipeline_depth=depth, mtp="fused", **kw))
     calls = []

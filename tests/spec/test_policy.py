@@ -123,7 +123,7 @@ def test_allocation_is_the_exact_optimum_including_the_proposers_depth_cost():
                 for _ in range(b)]
         context = int(rng.integers(0, 20000))
 
-        def goodput(ks):
+        def goodput(ks, reqs=reqs, cost=cost, b=b, context=context):
             return _expected(reqs, ks) / cost.step_seconds(b, sum(ks), context, max(ks))
 
         ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context).ks
@@ -177,8 +177,8 @@ class _FakeStages:
 
 
 def _calibrated(max_num_seqs=64):
-    from lightspec_core.spec.calibrate import ProfileSpec, calibrate
     from lightspec_core.config import SpecMethod
+    from lightspec_core.spec.calibrate import ProfileSpec, calibrate
 
     stages = _FakeStages()
     spec = ProfileSpec(SpecMethod.MTP, 4, 16, 1024, max_num_seqs, 2048, 1024, 8)
@@ -206,8 +206,8 @@ def test_a_fused_profile_prices_the_heads_in_each_request_not_in_each_draft():
     their cost lands in the per-request part and a draft costs what verifying it costs. Profiled
     without them, the running scale that absorbs the difference would inflate the price of every
     draft as well (by 1.4-2.4x in process), and the policy would draft too little."""
-    from lightspec_core.spec.calibrate import ProfileSpec, calibrate
     from lightspec_core.config import SpecMethod
+    from lightspec_core.spec.calibrate import ProfileSpec, calibrate
 
     stages = _FakeStages()
     spec = ProfileSpec(SpecMethod.MTP, 4, 16, 1024, 64, 2048, 1024, 8, fused_mtp=True)
@@ -338,7 +338,7 @@ def test_sampled_requests_allocation_is_the_exact_optimum_with_their_logits_cost
                             bool(rng.integers(0, 2))) for _ in range(b)]
         context = int(rng.integers(0, 20000))
 
-        def goodput(ks):
+        def goodput(ks, reqs=reqs, cost=cost, b=b, context=context):
             sampled = sum(k for k, r in zip(ks, reqs) if r.sampled)
             return _expected(reqs, ks) / (cost.step_seconds(b, sum(ks), context, max(ks))
                                           + cost.sampled_extra * sampled)
@@ -373,8 +373,8 @@ def test_the_scheduler_hands_the_policy_request_alphas_estimates():
     """The scheduler builds the policy's inputs in one pass (the hot path of a decision): plain lists
     for a few requests, arrays for many. Both forms must hold exactly what ``request_alphas`` and the
     per-request caps give (max_tokens, the request's own num_draft_tokens, its KV room), per mode."""
-    from lightspec_core.engine.block_manager import BlockManager
     from lightspec_core.config import SamplingParams
+    from lightspec_core.engine.block_manager import BlockManager
     from lightspec_core.engine.scheduler import Scheduler
     from lightspec_core.engine.sequence import Sequence
 
@@ -432,8 +432,8 @@ def test_the_scheduler_hands_the_policy_the_steps_tokens_context_and_prefill():
     """schedule() counts a step's tokens, prompt-chunk tokens and longest context as it plans (not in
     passes of their own): the policy must get what the plan's items add up to, with a prompt chunk,
     a newly admitted prompt and decoding requests in one step."""
-    from lightspec_core.engine.block_manager import BlockManager
     from lightspec_core.config import SamplingParams
+    from lightspec_core.engine.block_manager import BlockManager
     from lightspec_core.engine.scheduler import Scheduler
     from lightspec_core.engine.sequence import Sequence
 

@@ -304,9 +304,9 @@ def test_fused_drafts_follow_greedy_verification_then_equal_the_mtp_stage(defaul
     ``verify_greedy`` finds and the drafts what the ``mtp`` stage proposes from that row's hidden
     state and bonus token. Requests: decoding with 2 good drafts and a bad one, a whole prompt, a
     prompt chunk without a sample row, and one that asked for no drafts."""
+    from lightspec_core.spec.verify import verify_greedy
     from lightspec_core.stages.contract import MTPCall
     from lightspec_core.stages.mtp import MTPRunner
-    from lightspec_core.spec.verify import verify_greedy
 
     target = default_model / "target"
     heads = MTPRunner(target, default_model / "mtp")
