@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launcher import BACKEND_NAME, PACKAGE_DIR, TritonServer, default_cache_dir
+from .install import BACKEND_NAME, PACKAGE_DIR, default_cache_dir
+from .launcher import TritonServer
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}  # Triton's; 0 picks free ports
 

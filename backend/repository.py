@@ -10,7 +10,6 @@ hand-edited repositories.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 
 from lightspec_core.config import EngineConfig
@@ -181,7 +180,3 @@ def write_model_repository(dst: str | Path, overrides: dict[str, str] | None = N
         (dst / name / "config.pbtxt").write_text(text)
     return dst
 
-
-def stage_field_names() -> dict[str, tuple[list[str], list[str]]]:
-    """For tests: (table names, dataclass field names) per stage dataclass."""
-    return {c.__name__: ([s.name for s in specs], [f.name for f in fields(c)]) for c, specs in STAGE_TENSORS.items()}

@@ -40,7 +40,7 @@ class VerifyCost:
 
     @classmethod
     def linear(cls, v0: float, v_tok: float, v_ctx: float = 0.0, v_pre: float = 0.0) -> VerifyCost:
-        """``v0 + v_tok`` per token at every batch size (tests, and before a profile exists)."""
+        """``v0 + v_tok`` per token at every batch size (the generic cost before a profile exists)."""
         return cls([1, 2], [v0 + v_tok, v0 + 2 * v_tok], [v_tok, v_tok], v_ctx, v_pre)
 
     @classmethod

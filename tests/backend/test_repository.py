@@ -4,12 +4,13 @@ matching the stage dataclasses."""
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
 from lightspec_backend.params import available_cpus, parse_backend_config, read_config_parameters, stage_threads
-from lightspec_backend.repository import render_repository, stage_field_names, write_model_repository
+from lightspec_backend.repository import STAGE_TENSORS, render_repository, write_model_repository
 from lightspec_backend.tensors import INPUTS, OUTPUTS
 from tritonclient.grpc import model_config_pb2
 
@@ -63,8 +64,9 @@ def test_stage_configs_are_plain_cpu_models(name):
 
 
 def test_stage_tensor_tables_match_the_stage_dataclasses():
-    for cls, (table, dataclass_fields) in stage_field_names().items():
-        assert table == dataclass_fields, cls
+    """The stage contract is defined once, by the dataclasses: the config.pbtxt tensors follow it."""
+    for cls, specs in STAGE_TENSORS.items():
+        assert [s.name for s in specs] == [f.name for f in fields(cls)], cls.__name__
 
 
 def test_overrides_reach_the_stages_that_use_them(tmp_path):

@@ -17,6 +17,8 @@ from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from lightspec_core.models.llama import LlamaModel
 from lightspec_core.spec.sampling import probs_from_logits
 
+pytestmark = pytest.mark.slow  # thousands of seeded requests; runs in CI like every test
+
 PROMPT = "for x in range(10):\n    for y in range(x):\n        print(x, y)\n    for"
 
 

@@ -1,0 +1,53 @@
+"""The ``lightspec`` command without a server: its parser, bench hand-off, repository choice, validation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from lightspec_backend import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cli_parser_has_serve_generate_and_bench():
+    p = cli.build_parser()
+    args = p.parse_args(["generate", "hi", "--max-tokens", "3", "--no-stream", "--temperature", "0.5"])
+    assert args.max_tokens == 3 and args.no_stream and args.temperature == 0.5
+    args = p.parse_args(["serve", "--http-port", "0", "--set", "policy=off"])
+    assert args.http_port == 0 and args.set == ["policy=off"]
+    assert "bench" in p.format_help()
+
+
+def test_cli_bench_hands_its_arguments_to_the_bench_module(monkeypatch):
+    import types
+
+    seen = {}
+    fake = types.ModuleType("lightspec_backend.bench")
+    fake.main = lambda argv: seen.setdefault("argv", argv) and 0
+    monkeypatch.setitem(sys.modules, "lightspec_backend.bench", fake)
+    cli.main(["bench", "--anything", "goes"])
+    assert seen["argv"] == ["--anything", "goes"]
+
+
+def test_cli_default_repository_is_the_checkout():
+    assert cli.default_repository() == ROOT / "model_repository"
+
+
+def test_cli_generates_a_repository_for_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    args = cli.build_parser().parse_args(["serve", "--policy", "static:2", "--set", "num_kv_blocks=8"])
+    repo = cli._repository(args)
+    text = (repo / "lightspec" / "config.pbtxt").read_text()
+    assert repo.parent == tmp_path and '"static:2"' in text and '"8"' in text
+
+
+def test_cli_validation_leaves_other_backends_models_alone(tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.pbtxt").write_text(
+        'name: "other"\nbackend: "onnxruntime"\nparameters [ { key: "policy" value: { string_value: "bogus" } } ]\n'
+    )
+    assert cli.validate_repository(tmp_path) == []
+    with pytest.raises(ValueError, match="not a directory"):
+        cli.validate_repository(tmp_path / "missing")
