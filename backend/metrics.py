@@ -35,7 +35,9 @@ DESCRIPTIONS = {
     "spec_decode_num_accepted_tokens_per_pos_total": "Draft tokens accepted, per draft position",
     "spec_decode_num_draft_tokens_per_pos_total": "Draft tokens proposed, per draft position",
     "spec_decode_num_steps_total": "Request-steps that carried at least one draft token",
-    "spec_decode_num_stopped_drafts_total": "Draft slots the dynamic policy granted but a confidence stop left out",
+    "spec_decode_num_stopped_drafts_total": (
+        "Granted draft slots the proposer left empty (a confidence stop, a short n-gram match)"
+    ),
     "spec_decode_num_fused_drafts_total": "Drafts the target stage proposed with the previous step (mtp: fused)",
     "num_preemptions_total": "Requests preempted for KV memory",
     "generation_tokens_total": "Generated tokens",

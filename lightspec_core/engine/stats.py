@@ -16,7 +16,7 @@ class RuntimeStats:
             "spec_decode_num_draft_tokens_total": 0,
             "spec_decode_num_accepted_tokens_total": 0,
             "spec_decode_num_steps_total": 0,  # request-steps that carried >= 1 draft
-            "spec_decode_num_stopped_drafts_total": 0,  # granted draft slots a confidence stop left out
+            "spec_decode_num_stopped_drafts_total": 0,  # granted draft slots the proposer left empty
             "spec_decode_num_fused_drafts_total": 0,  # drafts the target stage proposed with its previous step
             "num_preemptions_total": 0,
             "generation_tokens_total": 0,
