@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightspec_core.config import SamplingParams
+from lightspec_core.config import SamplingParams, check_stop_strings
 
 from .tensors import INPUT_SPECS
 
@@ -94,6 +94,7 @@ def _stop_words(get: Getter) -> list[str]:
     words = [_decode("stop_words", w) for w in _check_dtype("stop_words", arr).reshape(-1)]
     if any(not w for w in words):
         raise ValueError(f"stop_words={words!r}: stop strings must be non-empty")
+    check_stop_strings("stop_words", words)
     return words
 
 

@@ -24,6 +24,12 @@ def _bad(name: str, value, why: str) -> ValueError:
     return ValueError(f"{name}={value!r}: {why}")
 
 
+# Bounds on a request's stop strings: their matching runs in the engine loop every step, so one
+# request's list must not slow every other request down.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation parameters (vLLM names; ``end_id`` as in TensorRT-LLM).
@@ -61,10 +67,19 @@ class SamplingParams:
             raise _bad("seed", self.seed, "must be >= 0")
         if any(not s for s in self.stop):
             raise _bad("stop", self.stop, "stop strings must be non-empty")
+        check_stop_strings("stop", self.stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_stop_strings(name: str, stop: list[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"{name}: {len(stop)} stop strings, at most {MAX_STOP_STRINGS}")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"{name}: a stop string of {longest} characters, at most {MAX_STOP_CHARS}")
 
 
 def parse_policy(policy: str) -> tuple[str, int | None]:

@@ -20,14 +20,19 @@ def truncate_at_stop(seq: Sequence) -> bool:
 
 def sendable_chars(seq: Sequence) -> int:
     """Hold back a text tail that could be the start of a stop string, so no text that belongs to
-    a stop string is ever streamed."""
+    a stop string is ever streamed. Per stop string, only the tail positions holding its first
+    character are tried (``str.find``), so the cost follows the matches, not the string's length
+    squared."""
     text = seq.text
     hold = 0
     for s in seq.params.stop:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
+        tail = text[len(text) - min(len(s) - 1, len(text)) :]
+        i = tail.find(s[0])
+        while i >= 0:
+            if s.startswith(tail[i:]):  # the longest held prefix of s is the earliest match
+                hold = max(hold, len(tail) - i)
                 break
+            i = tail.find(s[0], i + 1)
     return len(text) - hold
 
 

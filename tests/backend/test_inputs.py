@@ -81,6 +81,8 @@ def test_utf8_text_is_decoded():
         ({"text_input": "a", "num_draft_tokens": -2}, "num_draft_tokens=-2"),
         ({"text_input": "a", "stop_words": ["ok", ""]}, "stop_words="),
         ({"text_input": "a", "stop_words": [b"\xc3"]}, "stop_words: invalid UTF-8"),
+        ({"text_input": "a", "stop_words": ["w"] * 10_000}, "stop_words: 10000 stop strings, at most 64"),
+        ({"text_input": "a", "stop_words": ["w" * 300]}, "stop_words: a stop string of 300 characters"),
         ({"text_input": "a", "max_tokens": np.array([1.5], np.float32)}, "max_tokens: expected datatype INT32"),
         ({"text_input": "a", "max_tokens": np.array([4, 5], np.int32)}, "max_tokens: expected exactly one element"),
         ({"text_input": np.array([1], np.int64)}, "text_input: expected datatype BYTES"),
