@@ -85,11 +85,13 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     executor = BLSExecutor(stages, pb_utils)
     if config.engine.speculative and config.local_stage(config.engine.speculation):
         from lightspec_core.config import resolve_dirs
+        from lightspec_core.engine.engine import served_context
         from lightspec_core.stages.executor import LocalExecutor, RoutingExecutor
         from lightspec_core.stages.mtp import MTPRunner
 
         target, mtp, _ = resolve_dirs(config.engine)
-        local = LocalExecutor({"mtp": MTPRunner(target, mtp, config.engine.device)})
+        ctx = served_context(config.engine, target)
+        local = LocalExecutor({"mtp": MTPRunner(target, mtp, config.engine.device, max_context=ctx)})
         executor = RoutingExecutor({"target": executor, "mtp": local})
     # the stages load beside this model and answer BLS only once it has loaded: the engine fetches
     # their profiles (taken while they load) from its loop, before its first step
@@ -127,6 +129,7 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     from lightspec_backend.stage import StageModel
 
     from lightspec_core.config import resolve_dirs
+    from lightspec_core.engine.engine import served_context
     from lightspec_core.stages.memory import keep_freed_memory
     from lightspec_core.stages.mtp import MTPRunner
     from lightspec_core.stages.target import ModelRunner
@@ -143,13 +146,15 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     if args.get("model_instance_kind") == "GPU":
         device = f"cuda:{args['model_instance_device_id']}"
     target, mtp, draft = resolve_dirs(cfg)
+    ctx = served_context(cfg, target)  # the longest sequence served, which the model must compute exactly
     if config.role is Role.MTP:
-        runner = MTPRunner(target, mtp, device)
+        runner = MTPRunner(target, mtp, device, max_context=ctx)
     elif config.role is Role.TARGET:
-        heads = MTPRunner(target, mtp, device) if config.loads_heads else None  # fused MTP drafts
-        runner = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, device, heads=heads)
+        heads = MTPRunner(target, mtp, device, max_context=ctx) if config.loads_heads else None  # fused drafts
+        runner = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, device, heads=heads, dtype=cfg.dtype,
+                             max_context=ctx)
     else:
-        runner = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, device)
+        runner = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, device, dtype=cfg.dtype, max_context=ctx)
     stage = StageModel(config.role, runner, pb_utils, threads=threads, set_threads=torch.set_num_threads)
     if cfg.speculative and cfg.policy_kind == "dynamic" and cfg.profile_stages:
         _take_profile(stage, config, target)

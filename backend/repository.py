@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightspec_core.config import EngineConfig
+from lightspec_core.config import EngineConfig, resolve_dirs
 from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, ProfileCall, ProfileResult
 
 from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, Role
@@ -76,8 +76,8 @@ STAGE_IO = {
 PROFILE_PARAMS = ("speculation", "policy", "max_draft_tokens", "max_num_seqs", "max_num_batched_tokens", "mtp",
                   "profile_stages", "max_model_len", "num_kv_blocks", "block_size")
 STAGE_PARAMS = {
-    Role.TARGET: ("model_dir", "mtp_dir", "device", "num_threads", *PROFILE_PARAMS),
-    Role.DRAFT: ("model_dir", "draft_dir", "device", "num_threads", *PROFILE_PARAMS),
+    Role.TARGET: ("model_dir", "mtp_dir", "device", "num_threads", "dtype", *PROFILE_PARAMS),
+    Role.DRAFT: ("model_dir", "draft_dir", "device", "num_threads", "dtype", *PROFILE_PARAMS),
     Role.MTP: ("model_dir", "mtp_dir", "device", "num_threads", *PROFILE_PARAMS),
 }
 ORCHESTRATOR_PARAMS = (
@@ -163,11 +163,18 @@ def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]
 
 
 def _stage_models(orch: dict[str, str]) -> dict[Role, str]:
-    """The stage models a repository needs: the target and draft stages, and an MTP stage unless the
-    heads run in the target stage (``fused``) or the orchestrator (``local``)."""
-    names = {Role.TARGET: orch["target_model"], Role.DRAFT: orch["draft_model"]}
+    """The stage models a repository needs: the target stage; an MTP stage unless the heads run in
+    the target stage (``fused``) or the orchestrator (``local``); a draft stage for draft-model
+    speculation, or wherever the target has a draft model beside it (the embedded family does, so
+    its repository can switch to ``speculation: draft``); a user's model without one gets none,
+    which would fail its load."""
+    names = {Role.TARGET: orch["target_model"]}
     if orch["mtp"] not in (LOCAL, FUSED):
         names[Role.MTP] = orch["mtp"]
+    dirs = EngineConfig(model_dir=orch.get("model_dir") or None, draft_dir=orch.get("draft_dir") or None)
+    draft = resolve_dirs(dirs)[2]
+    if orch.get("speculation") == "draft" or (Path(draft) / "config.json").is_file():
+        names[Role.DRAFT] = orch["draft_model"]
     return names
 
 

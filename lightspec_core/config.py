@@ -97,6 +97,7 @@ def parse_policy(policy: str) -> tuple[str, int | None]:
     raise _bad("policy", policy, "expected one of dynamic, off, static, static:K")
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # of the target's and draft's weights and KV pools
 MTP_FUSED = "fused"  # the target stage runs the MTP heads right after its forward
 MTP_LOCAL = "local"  # the heads run in the engine's process (the orchestrator's, in a server)
 
@@ -118,7 +119,8 @@ class EngineConfig:
     them (in process, that is ``"local"``). ``confidence_stop`` (MTP with the dynamic policy) lets a
     request's chain of drafts stop where its heads' confidence says the next draft is not worth
     verifying (see ``ConfidenceStats``); off by default, as it did not pay with the embedded model
-    (docs/benchmarks.md).
+    (docs/benchmarks.md). ``dtype``: the target's and draft model's weights and KV pools
+    (float32, bfloat16, float16; float32 by default, the fastest on most CPUs).
     """
 
     model_dir: str | None = None
@@ -142,6 +144,7 @@ class EngineConfig:
     profile_stages: bool = True
     confidence_stop: bool = False
     mtp: str = MTP_FUSED
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         try:
@@ -161,6 +164,8 @@ class EngineConfig:
             raise _bad("kv_high_water", self.kv_high_water, "must be in (0, 1]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise _bad("ngram_min", self.ngram_min, "need 1 <= ngram_min <= ngram_max")
+        if self.dtype not in DTYPES:
+            raise _bad("dtype", self.dtype, f"expected one of {', '.join(DTYPES)}")
         if not isinstance(self.mtp, str) or not self.mtp.strip():
             raise _bad("mtp", self.mtp, f"expected {MTP_FUSED}, {MTP_LOCAL} or the name of a stage model")
         if self.static_k is not None and self.static_k > self.max_draft_tokens:

@@ -37,14 +37,14 @@ def test_package_modules_stay_under_400_lines_and_functions_under_60():
 def test_packages_import_neither_tools_nor_tests_and_only_backend_names_pb_utils():
     for path in package_sources():
         text = path.read_text()
-        assert not re.search(r"^\s*(from|import) (tools|tests)\b", text, re.M), path
+        assert not re.search(r"^\s*(from|import) (tools|tests)\b", text, re.MULTILINE), path
         if ROOT / "lightspec_core" in path.parents:
             assert "pb_utils" not in text and "triton_python_backend_utils" not in text, path
 
 
 def test_no_file_outside_tests_narrates_the_projects_history():
     words = re.compile(r"\bsession\b|\b(fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth) round\b"
-                       r"|bench_history", re.I)
+                       r"|bench_history", re.IGNORECASE)
     for path in [*package_sources(), *(ROOT / "tools").rglob("*.py"), *(ROOT / "docs").rglob("*.md"),
                  ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "model_repository").rglob("*.pbtxt")]:
         assert not words.search(path.read_text()), path

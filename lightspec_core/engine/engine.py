@@ -44,15 +44,23 @@ from .text import take_delta, truncate_at_stop
 log = logging.getLogger("lightspec")
 
 
+def served_context(cfg: EngineConfig, target_dir: str) -> int:
+    """The longest sequence an engine of this configuration serves with this target."""
+    return cfg.context_length(LlamaConfig.from_dir(target_dir).max_position_embeddings)
+
+
 def build_local_executor(cfg: EngineConfig) -> LocalExecutor:
     target, mtp, draft = resolve_dirs(cfg)
+    ctx = served_context(cfg, target)
     runners: dict[str, object] = {}
     if cfg.method is SpecMethod.MTP:
-        runners["mtp"] = MTPRunner(target, mtp, cfg.device)
+        runners["mtp"] = MTPRunner(target, mtp, cfg.device, max_context=ctx)
     heads = runners["mtp"] if cfg.fused_mtp else None  # stateless: shared safely
-    runners["target"] = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, cfg.device, heads=heads)
+    runners["target"] = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, cfg.device, heads=heads,
+                                    dtype=cfg.dtype, max_context=ctx)
     if cfg.method is SpecMethod.DRAFT:
-        runners["draft"] = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, cfg.device)
+        runners["draft"] = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, cfg.device, dtype=cfg.dtype,
+                                       max_context=ctx)
     return LocalExecutor(runners, threaded=cfg.pipeline_depth > 1)
 
 
@@ -89,6 +97,8 @@ class LLMEngine:
         self.tok = TokenizerInfo.from_dir(target_dir)
         self.tokenizer = self.tok.tokenizer
         self.max_model_len = cfg.context_length(self.model_config.max_position_embeddings)
+        self.model_config.check_context(self.max_model_len)  # refused here, naming the field, before any load
+        self._eos = frozenset(self.model_config.eos_token_ids)
         self.executor = executor if executor is not None else build_local_executor(cfg)
         k = cfg.max_draft_tokens if cfg.speculative else 0
         self.stats = RuntimeStats(max(k, 1))
@@ -134,7 +144,7 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
                              f"context of {self.max_model_len} tokens")
-        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tok),
+        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tok, ids),
                        seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()), arrival=next(self._arrivals))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -314,12 +324,12 @@ class LLMEngine:
     def _append(self, seq: Sequence, tokens: list[int]) -> RequestDelta | None:
         self._observe_token_times(seq, len(tokens))
         sp = seq.params
-        eos = self.model_config.eos_token_id
+        eos = self._eos
         for t in tokens:
             seq.token_ids.append(t)
             seq.text += seq.detok.push(t)
             self.stats.counters["generation_tokens_total"] += 1
-            if t == sp.end_id or (not sp.ignore_eos and t == eos):
+            if t == sp.end_id or (not sp.ignore_eos and t in eos):
                 return self._finish(seq, "stop")
             if sp.stop and truncate_at_stop(seq):
                 return self._finish(seq, "stop", flush=False)

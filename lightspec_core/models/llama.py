@@ -8,62 +8,24 @@ Two forward paths share the same weights:
   paged pool addressed by block tables and returns final hidden states and logits only at the
   requested positions.
 
-Parameter names follow the Hugging Face ``LlamaForCausalLM`` layout so that a checkpoint saved from
-here loads in ``transformers`` and vice versa.
+Parameter names follow the Hugging Face layout of ``LlamaForCausalLM`` (and of Mistral, Qwen2 and
+Qwen3, which differ from it in biases, q/k norms and head size: see :class:`LlamaConfig` in
+hf_config.py for what is implemented and what is refused), so that a checkpoint saved from here
+loads in ``transformers`` and vice versa.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class LlamaConfig:
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    intermediate_size: int = 704
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 1024
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-    bos_token_id: int = 1
-    eos_token_id: int = 2
-    pad_token_id: int = 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def to_hf_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            architectures=["LlamaForCausalLM"],
-            model_type="llama",
-            head_dim=self.head_dim,
-            hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
-            torch_dtype="float32",
-        )
-        return d
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> LlamaConfig:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-        known = {f for f in cls.__dataclass_fields__}
-        cfg = cls(**{k: v for k, v in raw.items() if k in known})
-        if raw.get("head_dim", cfg.head_dim) != cfg.head_dim:
-            raise ValueError(f"config.json: head_dim {raw['head_dim']} != hidden_size/num_attention_heads")
-        return cfg
+from .checkpoint import read_weights, resolve_dtype, write_checkpoint
+from .hf_config import LlamaConfig
+from .rope import Rope
 
 
 class RMSNorm(nn.Module):
@@ -73,34 +35,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(var + self.eps))
-
-
-class Rope(nn.Module):
-    """Rotary embedding in the Hugging Face (rotate-half, non-interleaved) convention."""
-
-    def __init__(self, head_dim: int, max_pos: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [..., T, 1, head_dim] for ``positions`` [..., T]; gathered once per step."""
-        return self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [..., T, heads, head_dim]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.rotate(x, *self.tables(positions))
+        # in fp32 whatever the model's dtype, as transformers' RMSNorm (a no-op cast in fp32)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -109,18 +47,32 @@ class Attention(nn.Module):
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.hd = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        h, qkv_bias = cfg.hidden_size, cfg.qkv_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [..., T, H] -> rotated q [..., T, heads, hd], rotated k and v [..., T, kv_heads, hd]
+        (cos, sin from :meth:`Rope.tables`)."""
+        lead = h.shape[:-1]
+        q = self.q_proj(h).view(*lead, self.n_heads, self.hd)
+        k = self.k_proj(h).view(*lead, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        v = self.v_proj(h).view(*lead, self.n_kv, self.hd)
+        return Rope.rotate(q, cos, sin), Rope.rotate(k, cos, sin), v
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -130,7 +82,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -159,6 +111,34 @@ def _group_key(q: int) -> int:
     """Decoding requests (1 token), verifying requests (a token and up to 7 drafts), then prompt
     chunks by powers of two."""
     return 0 if q == 1 else 1 if q <= 8 else (q - 1).bit_length()
+
+
+def _attn_group(rows: torch.Tensor, qlens: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor,
+                bt: torch.Tensor, block_size: int, dev: torch.device) -> AttnGroup:
+    """The :class:`AttnGroup` of the requests ``rows`` [Bg] of a step, built on the CPU, moved to ``dev``."""
+    glens = qlens[rows]
+    max_q = int(glens.max())
+    local = torch.repeat_interleave(torch.arange(len(rows)), glens)
+    gstarts = torch.cumsum(glens, 0) - glens
+    offset = torch.arange(len(local)) - gstarts[local]
+    token_rows = starts[rows][local] + offset
+    query_index = local * max_q + offset
+    gpos = positions[token_rows]
+    ctx_lens = gpos[gstarts + glens - 1] + 1  # [Bg]
+    max_c = int(ctx_lens.max())
+    c = torch.arange(max_c)
+    gbt = bt[rows]
+    blk_idx = (c // block_size).clamp(max=gbt.shape[1] - 1)
+    context_slots = gbt[:, blk_idx] * block_size + (c % block_size)  # [Bg, C]
+    q_pos = torch.full((len(rows) * max_q,), -1, dtype=torch.int64)
+    q_pos[query_index] = gpos
+    q_pos = q_pos.view(len(rows), max_q)
+    # key c visible to a query at position p iff c <= p; padded queries (p = -1) see nothing,
+    # so give them key 0 to keep softmax finite (their output is discarded).
+    mask = c.view(1, 1, max_c) <= q_pos.unsqueeze(-1)
+    mask[:, :, 0] |= q_pos < 0
+    return AttnGroup(token_rows.to(dev), query_index.to(dev), context_slots.to(dev), mask.unsqueeze(1).to(dev),
+                     len(rows), max_q)
 
 
 @dataclass
@@ -205,32 +185,8 @@ class PagedBatch:
         for r, q in enumerate(query_lens):
             by_key.setdefault(_group_key(q), []).append(r)
         starts = torch.cumsum(qlens, 0) - qlens
-        groups = []
-        for members in by_key.values():
-            rows = torch.tensor(members, dtype=torch.int64)
-            glens = qlens[rows]
-            max_q = int(glens.max())
-            local = torch.repeat_interleave(torch.arange(len(members)), glens)
-            gstarts = torch.cumsum(glens, 0) - glens
-            offset = torch.arange(len(local)) - gstarts[local]
-            token_rows = starts[rows][local] + offset
-            query_index = local * max_q + offset
-            gpos = positions_cpu[token_rows]
-            ctx_lens = gpos[gstarts + glens - 1] + 1  # [Bg]
-            max_c = int(ctx_lens.max())
-            c = torch.arange(max_c)
-            gbt = bt[rows]
-            blk_idx = (c // block_size).clamp(max=gbt.shape[1] - 1)
-            context_slots = gbt[:, blk_idx] * block_size + (c % block_size)  # [Bg, C]
-            q_pos = torch.full((len(members) * max_q,), -1, dtype=torch.int64)
-            q_pos[query_index] = gpos
-            q_pos = q_pos.view(len(members), max_q)
-            # key c visible to a query at position p iff c <= p; padded queries (p = -1) see nothing,
-            # so give them key 0 to keep softmax finite (their output is discarded).
-            mask = c.view(1, 1, max_c) <= q_pos.unsqueeze(-1)
-            mask[:, :, 0] |= q_pos < 0
-            groups.append(AttnGroup(token_rows.to(dev), query_index.to(dev), context_slots.to(dev),
-                                    mask.unsqueeze(1).to(dev), len(members), max_q))
+        groups = [_attn_group(torch.tensor(members, dtype=torch.int64), qlens, starts, positions_cpu, bt, block_size,
+                              dev) for members in by_key.values()]
         return cls(
             input_ids=input_ids,
             positions=positions.to(dev),
@@ -242,16 +198,17 @@ class PagedBatch:
 
 
 class LlamaModel(nn.Module):
-    """Weights in the HF layout: ``model.*`` and ``lm_head``."""
+    """Weights in the HF layout: ``model.*`` and ``lm_head``. ``max_context``: the longest
+    sequence served (the rope tables' length), at most the model's ``max_position_embeddings``."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, max_context: int | None = None):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = Rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rope = self._rope(max_context)
         self.apply(init_weights)
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None  # see _gather_buffers
 
@@ -264,27 +221,19 @@ class LlamaModel(nn.Module):
         for layer in self.model.layers:
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = self.rope(a.q_proj(h).view(b, t, a.n_heads, a.hd), pos).transpose(1, 2)
-            k = self.rope(a.k_proj(h).view(b, t, a.n_kv, a.hd), pos).transpose(1, 2)
-            v = a.v_proj(h).view(b, t, a.n_kv, a.hd).transpose(1, 2)
+            q, k, v = (z.transpose(1, 2) for z in a.qkv(h, *self.rope.tables(pos)))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)
 
     # ---- engine path ---------------------------------------------------------------------------
-    def new_kv_cache(self, num_blocks: int, block_size: int, dtype=torch.float32, device=None):
-        """KV pool [layers, 2, num_blocks * block_size, kv_heads, head_dim]."""
+    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None):
+        """KV pool [layers, 2, num_blocks * block_size, kv_heads, head_dim], in the model's dtype
+        unless ``dtype`` is given."""
         cfg = self.config
-        return torch.zeros(
-            cfg.num_hidden_layers,
-            2,
-            num_blocks * block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        return torch.zeros(cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
+                           dtype=dtype or self.lm_head.weight.dtype, device=device)
 
     @torch.inference_mode()
     def forward_paged(self, batch: PagedBatch, kv: torch.Tensor) -> torch.Tensor:
@@ -301,9 +250,7 @@ class LlamaModel(nn.Module):
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = Rope.rotate(a.q_proj(h).view(n, a.n_heads, a.hd), cos, sin)
-            k = Rope.rotate(a.k_proj(h).view(n, a.n_kv, a.hd), cos, sin)
-            v = a.v_proj(h).view(n, a.n_kv, a.hd)
+            q, k, v = a.qkv(h, cos, sin)
             kv[li, 0].index_copy_(0, batch.slot_mapping, k)
             kv[li, 1].index_copy_(0, batch.slot_mapping, v)
             o = q.new_empty(n, a.n_heads * a.hd) if not single else None
@@ -349,29 +296,45 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden)
 
     # ---- checkpoint I/O ------------------------------------------------------------------------
-    def save(self, model_dir: str | Path) -> None:
-        from safetensors.torch import save_file
+    def _rope(self, max_context: int | None) -> Rope:
+        cfg = self.config
+        return Rope(cfg.head_dim, cfg.served_context(max_context), cfg.rope_theta, cfg.rope_scaling,
+                    cfg.max_position_embeddings)
 
-        model_dir = Path(model_dir)
-        model_dir.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+    def save(self, model_dir: str | Path) -> None:
+        state = self.state_dict()
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-        (model_dir / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+        dtype = str(self.lm_head.weight.dtype).removeprefix("torch.")
+        write_checkpoint(model_dir, state, self.config.to_hf_dict(dtype))
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> LlamaModel:
-        from safetensors.torch import load_file
-
+    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
+             max_context: int | None = None) -> LlamaModel:
+        """A checkpoint of any family :class:`LlamaConfig` implements, its weights converted to
+        ``dtype`` (float32, bfloat16 or float16). ``max_context``: the longest sequence the engine
+        serves (``EngineConfig.context_length``; None: the model's ``max_position_embeddings``),
+        refused where the model's math would differ within it (``LlamaConfig.check_context``)."""
         cfg = LlamaConfig.from_dir(model_dir)
-        m = cls(cfg)
-        state = load_file(str(Path(model_dir) / "model.safetensors"))
+        cfg.check_context(cfg.served_context(max_context))
+        dt = resolve_dtype(dtype)
+        # rope frequencies are the config's to derive, whatever an old checkpoint stored of them
+        state = {k: v for k, v in read_weights(model_dir, dt).items() if not k.endswith("rotary_emb.inv_freq")}
+        head = state.get("lm_head.weight")
+        if cfg.tie_word_embeddings and head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
+            # transformers keeps a checkpoint's own LM head where it differs from the embedding
+            cfg = replace(cfg, tie_word_embeddings=False)
         if cfg.tie_word_embeddings:
-            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-        missing, unexpected = m.load_state_dict(state, strict=False)
+            state.pop("lm_head.weight", None)
+        with torch.device("meta"):  # shapes only: the checkpoint's tensors become the parameters
+            m = cls(cfg)
+        missing, unexpected = m.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"{model_dir}: checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+        if cfg.tie_word_embeddings:
+            m.lm_head.weight = m.model.embed_tokens.weight
+        m.rope = m._rope(max_context).to(dt)
         return m.eval()
 
 

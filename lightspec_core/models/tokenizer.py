@@ -1,17 +1,30 @@
-"""Tokenizer loading and incremental detokenisation that is exact for byte-level BPE.
+"""Tokenizer loading and incremental detokenisation that never splits a character.
 
-Each byte-level token maps to a fixed byte string, so streaming text is produced by feeding token
-bytes through an incremental UTF-8 decoder: a character split across tokens is held back until its
-last byte arrives, and no delta ever contains half a character.
+Two exact ways to stream text, chosen by the tokenizer's decoder:
+
+- byte-level BPE (GPT-2, Llama 3, Qwen, the embedded model): each token maps to a fixed byte string,
+  so text is produced by feeding token bytes through an incremental UTF-8 decoder; a character split
+  across tokens is held back until its last byte arrives;
+- any other decoder (SentencePiece-style ``▁`` words with byte fallback, as in Llama 2 and Mistral):
+  a token's text depends on its neighbours (a leading space is stripped at the start, byte-fallback
+  tokens fuse), so the tokenizer's own ``decode`` is run over a short window of recent tokens and
+  only the text past the window's known part is emitted, held back while it ends in an incomplete
+  character (U+FFFD), as vLLM's incremental detokeniser does.
+
+Special tokens (the tokenizer's added tokens marked special: BOS, EOS, end-of-turn, padding) are
+never part of the text.
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+_WINDOW = 6  # tokens before the new ones that a window decode sees (enough for any fused character)
 
 
 @lru_cache(maxsize=1)
@@ -28,20 +41,31 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+def _special_ids(tokenizer: Tokenizer) -> set[int]:
+    ids = {i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
+    # checkpoints whose tokenizer.json does not mark them special (the embedded model's)
+    return ids | {i for t in ("<pad>", "<s>", "</s>") if (i := tokenizer.token_to_id(t)) is not None}
+
+
+def _is_byte_level(tokenizer: Tokenizer) -> bool:
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    return decoder.get("type") == "ByteLevel"
+
+
 class TokenizerInfo:
-    """A ``tokenizers.Tokenizer`` plus the per-token byte table the detokeniser needs."""
+    """A ``tokenizers.Tokenizer``, its special ids, and for byte-level BPE the per-token byte table."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        dec = _byte_decoder()
-        self.special_ids = {tokenizer.token_to_id(t) for t in ("<pad>", "<s>", "</s>") if tokenizer.token_to_id(t) is not None}
-        self.token_bytes: list[bytes] = []
-        for i in range(tokenizer.get_vocab_size()):
-            tok = tokenizer.id_to_token(i)
-            if i in self.special_ids or tok is None:
-                self.token_bytes.append(b"")
-            else:
-                self.token_bytes.append(bytes(dec[c] for c in tok))
+        self.special_ids = _special_ids(tokenizer)
+        self.token_bytes: list[bytes] | None = None
+        if _is_byte_level(tokenizer):
+            dec = _byte_decoder()
+            self.token_bytes = []
+            for i in range(tokenizer.get_vocab_size()):
+                tok = tokenizer.id_to_token(i)
+                special = i in self.special_ids or tok is None
+                self.token_bytes.append(b"" if special else bytes(dec[c] for c in tok if c in dec))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> TokenizerInfo:
@@ -54,16 +78,42 @@ class TokenizerInfo:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+        if self.token_bytes is not None:
+            return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, info: TokenizerInfo):
-        self._bytes = info.token_bytes
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    """Text deltas for one request's tokens, one ``push`` per token; ``flush`` at the end.
+    ``prompt``: the request's prompt ids; its last tokens are the first window's known part, so the
+    first token's text is what it is after the prompt (a word's leading space kept)."""
+
+    def __init__(self, info: TokenizerInfo, prompt: list[int] = ()):
+        self._info = info
+        if info.token_bytes is not None:
+            self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = list(prompt[-_WINDOW:])
+        self._read = len(self._ids)  # tokens whose text has been emitted (or is the prompt's)
 
     def push(self, token_id: int) -> str:
-        return self._dec.decode(self._bytes[token_id])
+        if self._info.token_bytes is not None:
+            return self._dec.decode(self._info.token_bytes[token_id])
+        self._ids.append(token_id)
+        return self._emit(final=False)
 
     def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
+        if self._info.token_bytes is not None:
+            return self._dec.decode(b"", final=True)
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        start = max(0, self._read - _WINDOW)
+        known = self._info.decode(self._ids[start : self._read])
+        text = self._info.decode(self._ids[start:])
+        if not final and (text.endswith("\ufffd") or len(text) <= len(known)):
+            return ""  # an incomplete character (or nothing new yet): wait for the next token
+        self._read = len(self._ids)
+        if len(self._ids) > 4 * _WINDOW:  # keep the window's tokens only
+            drop = len(self._ids) - _WINDOW
+            self._ids, self._read = self._ids[drop:], self._read - drop
+        return text.removeprefix(known)

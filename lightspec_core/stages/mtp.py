@@ -17,8 +17,10 @@ from .contract import MTPCall, MTPResult
 class MTPRunner:
     """The MTP heads plus the target's embedding and LM head they share (weights only, no KV)."""
 
-    def __init__(self, model_dir: str | Path, mtp_dir: str | Path, device: str = "cpu"):
-        self.target = LlamaModel.load(model_dir).to(device)
+    def __init__(self, model_dir: str | Path, mtp_dir: str | Path, device: str = "cpu", max_context: int | None = None):
+        # float32 whatever the target runs in: the folded heads mix its embedding and LM head into
+        # their own float32 matrices
+        self.target = LlamaModel.load(model_dir, max_context=max_context).to(device)
         # Only embedding, final norm and LM head are used; drop the layers to save memory.
         self.target.model.layers = torch.nn.ModuleList()
         self.heads = MTPHeads.load(mtp_dir).to(device)
@@ -175,8 +177,9 @@ class _Chain:
             return torch.from_numpy(np.ascontiguousarray(np.asarray(a)[rows], dtype=dtype)).to(dev)
 
         stop = _ConfidenceStop(call, rows) if np.asarray(call.calibration).size else None
-        return cls(rows, take(call.hidden, np.float32), take(call.last_ids, np.int64), take(call.temperature, np.float32),
-                   take(call.top_k, np.int64), take(call.top_p, np.float32), take(call.uniforms, np.float32), stop)
+        return cls(rows, take(call.hidden, np.float32), take(call.last_ids, np.int64),
+                   take(call.temperature, np.float32), take(call.top_k, np.int64), take(call.top_p, np.float32),
+                   take(call.uniforms, np.float32), stop)
 
     def keep(self, keep: np.ndarray) -> bool:
         """Keep only the rows marked (order kept); False when none is left."""

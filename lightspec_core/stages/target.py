@@ -17,9 +17,11 @@ class ModelRunner:
     :class:`MTPRunner` over the same target) it also proposes fused MTP drafts (``mtp_drafts``)."""
 
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, device: str = "cpu",
-                 heads: MTPRunner | None = None):
+                 heads: MTPRunner | None = None, dtype: str = "float32", max_context: int | None = None):
+        """``dtype``: the weights' and KV pool's (outputs are float32 either way); ``max_context``:
+        the longest sequence served, which the model must compute exactly (``LlamaModel.load``)."""
         self.heads = heads
-        self.model = LlamaModel.load(model_dir).to(device)
+        self.model = LlamaModel.load(model_dir, dtype=dtype, max_context=max_context).to(device)
         self.config = self.model.config
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -1,0 +1,50 @@
+"""Checkpoints of other families, made by transformers, run through the engine: speculation stays
+lossless on them (n-gram drafts against plain greedy decoding), and their EOS ids all stop."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+from tests.models.factories import CASES, save_hf_checkpoint
+
+PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "for i in range(10):\n    for j in range(i):\n"]
+
+
+def own_model(tmp_path, default_model, case: str):
+    model_type, overrides, how = CASES[case]
+    path = save_hf_checkpoint(tmp_path / case, model_type, {**overrides, "vocab_size": 4096}, **how)
+    shutil.copy(default_model / "target" / "tokenizer.json", path / "tokenizer.json")  # the same 4096 ids
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ngram_speculation_on_another_family_equals_plain_greedy(tmp_path, default_model, case):
+    path = own_model(tmp_path, default_model, case)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for spec in ("none", "ngram"):
+        eng = LLMEngine(EngineConfig(model_dir=str(path), speculation=spec, policy="static:3", num_kv_blocks=32,
+                                     block_size=8, profile_stages=False))
+        try:
+            outs[spec] = [o.output_token_ids for o in eng.generate(PROMPTS, params)]
+        finally:
+            eng.close()
+    assert outs["ngram"] == outs["none"] and all(len(o) == 24 for o in outs["none"])
+
+
+def test_every_eos_id_of_generation_config_stops(tmp_path, default_model):
+    path = own_model(tmp_path, default_model, "mistral")  # generation_config.json: eos_token_id [2, 7]
+    eng = LLMEngine(EngineConfig(model_dir=str(path), speculation="none", num_kv_blocks=32, block_size=8))
+    assert eng.model_config.eos_token_ids == (2, 7)
+    free = eng.generate(PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True))[0].output_token_ids
+    eng.close()
+    # make the model's own 3rd token an EOS id: generation stops there, with finish_reason stop
+    stop_at = free[2]
+    (path / "generation_config.json").write_text(f'{{"eos_token_id": [2, {stop_at}]}}')
+    eng = LLMEngine(EngineConfig(model_dir=str(path), speculation="none", num_kv_blocks=32, block_size=8))
+    out = eng.generate(PROMPTS[0], SamplingParams(max_tokens=24))[0]
+    eng.close()
+    assert out.finish_reason == "stop" and out.output_token_ids == free[: free.index(stop_at) + 1]

@@ -1,0 +1,61 @@
+"""Streaming detokenisation is exact for byte-level BPE and for SentencePiece-style tokenizers with
+byte fallback (Llama 2, Mistral): the deltas add up to the tokenizer's own decode, and none splits a
+character; special tokens never reach the text."""
+
+from __future__ import annotations
+
+import random
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+from lightspec_core.models.tokenizer import IncrementalDetokenizer, TokenizerInfo
+
+
+def sentencepiece_style() -> Tokenizer:
+    """Llama 2's pipeline: ▁ for spaces, a byte-fallback BPE, and a decoder that fuses byte tokens
+    and strips the leading space."""
+    pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], "▁", *"abcdefgh", "▁a", "▁b", "ab",
+              "▁ab"]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")]
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return tok
+
+
+def stream(info: TokenizerInfo, prompt: list[int], out: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(info, prompt)
+    return [detok.push(t) for t in out] + [detok.flush()]
+
+
+def test_sentencepiece_deltas_add_up_to_the_full_decode_and_never_split_a_character():
+    info = TokenizerInfo(sentencepiece_style())
+    assert info.token_bytes is None  # not byte-level: the window decode
+    tok = info.tokenizer
+    rng = random.Random(1)
+    words = ["ab", "a", "bad", "é", "日本", "😀", "fe"]
+    for _ in range(200):
+        prompt = tok.encode(" ".join(rng.choice(words) for _ in range(3))).ids
+        out = tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))).ids
+        deltas = stream(info, prompt, out)
+        assert info.decode(prompt) + "".join(deltas) == info.decode(prompt + out)
+        assert not any("\ufffd" in d for d in deltas), deltas  # every character arrives whole
+
+
+def test_special_tokens_never_reach_the_text():
+    info = TokenizerInfo(sentencepiece_style())
+    eos, bos = info.tokenizer.token_to_id("</s>"), info.tokenizer.token_to_id("<s>")
+    assert {eos, bos} <= info.special_ids
+    ab = info.tokenizer.encode("ab").ids
+    text = "".join(stream(info, [bos], ab + [eos]))
+    assert text == info.decode([bos, *ab, eos]) == "ab"  # as the tokenizer decodes the whole sequence
+
+
+def test_byte_level_tokenizer_streams_through_its_byte_table(default_model):
+    info = TokenizerInfo.from_dir(default_model / "target")
+    assert info.token_bytes is not None
+    ids = info.encode("def f():\n    return 'é日本😀'\n")
+    assert "".join(stream(info, [], ids)) == info.decode(ids)
