@@ -130,6 +130,8 @@ def _stage(args: dict, config) -> _StageModelAdapter:
 
     from lightspec_core.config import resolve_dirs
     from lightspec_core.engine.engine import served_context
+    from lightspec_core.engine.kv_budget import with_kv_budget
+    from lightspec_core.models.llama import LlamaConfig
     from lightspec_core.stages.memory import keep_freed_memory
     from lightspec_core.stages.mtp import MTPRunner
     from lightspec_core.stages.target import ModelRunner
@@ -146,6 +148,10 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     if args.get("model_instance_kind") == "GPU":
         device = f"cuda:{args['model_instance_device_id']}"
     target, mtp, draft = resolve_dirs(cfg)
+    # the pool's blocks come from the target's geometry in every process; the target stage, which
+    # holds the weights and the pool, checks that they fit
+    cfg = with_kv_budget(cfg, LlamaConfig.from_dir(target), target, allow_fraction=False,
+                         check_fit=config.role is Role.TARGET)
     ctx = served_context(cfg, target)  # the longest sequence served, which the model must compute exactly
     if config.role is Role.MTP:
         runner = MTPRunner(target, mtp, device, max_context=ctx)
@@ -157,25 +163,24 @@ def _stage(args: dict, config) -> _StageModelAdapter:
         runner = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, device, dtype=cfg.dtype, max_context=ctx)
     stage = StageModel(config.role, runner, pb_utils, threads=threads, set_threads=torch.set_num_threads)
     if cfg.speculative and cfg.policy_kind == "dynamic" and cfg.profile_stages:
-        _take_profile(stage, config, target)
+        _take_profile(stage, config.role, cfg, target)
     return _StageModelAdapter(stage)
 
 
-def _take_profile(stage, config, target_dir: str) -> None:
+def _take_profile(stage, role: Role, cfg, target_dir: str) -> None:
     """The dynamic policy's profile of this stage, taken before the server reports ready (the
     orchestrator's engine fetches it; a stage the engine will not ask, such as the draft stage of
     an MTP repository, takes none)."""
     from lightspec_core.models.llama import LlamaConfig
     from lightspec_core.spec.calibrate import PROPOSER_STAGE, ProfileSpec
 
-    cfg = config.engine
-    if config.role is not Role.TARGET and PROPOSER_STAGE.get(cfg.method) != config.role.value:
+    if role is not Role.TARGET and PROPOSER_STAGE.get(cfg.method) != role.value:
         return
     model = LlamaConfig.from_dir(target_dir)
     t0 = time.perf_counter()
     try:
         stage.take_profile(ProfileSpec.for_engine(cfg, model, cfg.context_length(model.max_position_embeddings)))
     except Exception as e:  # noqa: BLE001 - an optimisation: the engine asks again, or plans with generic costs
-        pb_utils.Logger.log_warn(f"[lightspec] {config.role.value} stage: profile failed ({e})")
+        pb_utils.Logger.log_warn(f"[lightspec] {role.value} stage: profile failed ({e})")
         return
-    pb_utils.Logger.log_info(f"[lightspec] {config.role.value} stage: profiled in {time.perf_counter() - t0:.1f} s")
+    pb_utils.Logger.log_info(f"[lightspec] {role.value} stage: profiled in {time.perf_counter() - t0:.1f} s")

@@ -82,6 +82,26 @@ def check_stop_strings(name: str, stop: list[str]) -> None:
         raise ValueError(f"{name}: a stop string of {longest} characters, at most {MAX_STOP_CHARS}")
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+
+
+def parse_memory(value: str) -> tuple[int | None, float | None]:
+    """``"2GiB"``, ``"512MB"``, ``"1073741824"`` -> (bytes, None); ``"0.5"`` (in (0, 1)) -> (None, fraction)."""
+    text = str(value).strip().lower().replace(" ", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num):]
+    try:
+        number = float(num)
+    except ValueError:
+        number = -1.0
+    if unit not in _UNITS or not number > 0:
+        raise _bad("kv_cache_memory", value, "expected bytes (e.g. 2GiB, 512MB) or a fraction of free memory in (0, 1)")
+    if not unit and number < 1:
+        return None, number
+    return int(number * _UNITS[unit]), None
+
+
 def parse_policy(policy: str) -> tuple[str, int | None]:
     """``"dynamic"`` | ``"off"`` | ``"static"`` | ``"static:K"`` -> (kind, fixed k or None)."""
     if policy in ("dynamic", "off", "static"):
@@ -120,7 +140,9 @@ class EngineConfig:
     request's chain of drafts stop where its heads' confidence says the next draft is not worth
     verifying (see ``ConfidenceStats``); off by default, as it did not pay with the embedded model
     (docs/benchmarks.md). ``dtype``: the target's and draft model's weights and KV pools
-    (float32, bfloat16, float16; float32 by default, the fastest on most CPUs).
+    (float32, bfloat16, float16; float32 by default, the fastest on most CPUs). ``kv_cache_memory``:
+    the KV pool's size as bytes (``"2GiB"``) or a fraction of the memory available after the weights
+    (``"0.5"``); it sets ``num_kv_blocks`` (see ``engine.kv_budget``).
     """
 
     model_dir: str | None = None
@@ -145,6 +167,7 @@ class EngineConfig:
     confidence_stop: bool = False
     mtp: str = MTP_FUSED
     dtype: str = "float32"
+    kv_cache_memory: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -164,6 +187,8 @@ class EngineConfig:
             raise _bad("kv_high_water", self.kv_high_water, "must be in (0, 1]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise _bad("ngram_min", self.ngram_min, "need 1 <= ngram_min <= ngram_max")
+        if self.kv_cache_memory:
+            parse_memory(self.kv_cache_memory)
         if self.dtype not in DTYPES:
             raise _bad("dtype", self.dtype, f"expected one of {', '.join(DTYPES)}")
         if not isinstance(self.mtp, str) or not self.mtp.strip():

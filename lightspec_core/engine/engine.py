@@ -34,6 +34,7 @@ from ..stages.executor import Executor, LocalExecutor
 from ..stages.mtp import MTPRunner
 from ..stages.target import ModelRunner
 from .block_manager import BlockManager
+from .kv_budget import with_kv_budget
 from .outputs import RequestDelta, RequestOutput
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .sequence import Sequence, Status
@@ -94,6 +95,9 @@ class LLMEngine:
             torch.set_num_threads(cfg.num_threads)
         target_dir, _, _ = resolve_dirs(cfg)
         self.model_config = LlamaConfig.from_dir(target_dir)
+        # in process the pool is here; a server's stages check their own (see kv_budget)
+        self.config = cfg = with_kv_budget(cfg, self.model_config, target_dir, allow_fraction=executor is None,
+                                           check_fit=executor is None)
         self.tok = TokenizerInfo.from_dir(target_dir)
         self.tokenizer = self.tok.tokenizer
         self.max_model_len = cfg.context_length(self.model_config.max_position_embeddings)

@@ -1,0 +1,52 @@
+"""The KV pool sized from a memory budget, and the clear error when model and pool do not fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+from lightspec_core.config import parse_memory
+from lightspec_core.engine import kv_budget
+from lightspec_core.models.llama import LlamaConfig
+
+
+@pytest.mark.parametrize(("text", "want"), [("2GiB", (2**31, None)), ("512MB", (512 * 10**6, None)),
+                                             ("1073741824", (2**30, None)), ("0.5", (None, 0.5)), ("1.5k", (1500, None))])
+def test_memory_sizes_parse_as_bytes_or_a_fraction(text, want):
+    assert parse_memory(text) == want
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1GiB", "0", "2 parsecs"])
+def test_a_bad_memory_size_names_kv_cache_memory(bad):
+    with pytest.raises(ValueError, match="kv_cache_memory="):
+        EngineConfig(kv_cache_memory=bad)
+
+
+def test_a_byte_budget_sets_the_block_count_and_the_engine_serves_with_it(smoke_model):
+    target = smoke_model / "target"
+    model = LlamaConfig.from_dir(target)
+    per_block = kv_budget.block_bytes(EngineConfig(), model)
+    cfg = EngineConfig(model_dir=str(target), kv_cache_memory=str(40 * per_block + per_block // 2),
+                       speculation="none")
+    assert kv_budget.with_kv_budget(cfg, model, target).num_kv_blocks == 40
+    eng = LLMEngine(cfg)
+    try:
+        assert eng.blocks.num_blocks == 40 and eng.config.num_kv_blocks == 40
+        assert eng.generate("x = 1", SamplingParams(max_tokens=4))[0].finish_reason == "length"
+    finally:
+        eng.close()
+
+
+def test_budgets_that_cannot_work_fail_naming_the_parameter(smoke_model, monkeypatch):
+    target = smoke_model / "target"
+    model = LlamaConfig.from_dir(target)
+    with pytest.raises(ValueError, match=r"kv_cache_memory='10': 10 bytes hold no KV block"):
+        kv_budget.with_kv_budget(EngineConfig(kv_cache_memory="10"), model, target)
+    with pytest.raises(ValueError, match=r"kv_cache_memory='0.5': a fraction of free memory is resolved by"):
+        kv_budget.with_kv_budget(EngineConfig(kv_cache_memory="0.5"), model, target, allow_fraction=False)
+    monkeypatch.setattr(kv_budget, "available_memory", lambda device: 1 << 20)  # a 1 MiB machine
+    with pytest.raises(ValueError, match=r"num_kv_blocks=1024: the model .* need more than the 0.00 GiB available"):
+        kv_budget.with_kv_budget(EngineConfig(), model, target)
+    fraction = kv_budget.with_kv_budget(EngineConfig(kv_cache_memory="0.9"), model, target, check_fit=False)
+    weights = kv_budget.weights_bytes(target, "float32")
+    assert fraction.num_kv_blocks == int(0.9 * ((1 << 20) - weights)) // kv_budget.block_bytes(fraction, model)
