@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from lightspec_core.config import MTP_FUSED, MTP_LOCAL, EngineConfig
+from lightspec_core.config import MTP_FUSED, MTP_LOCAL, EngineConfig, parse_memory
 
 
 class Role(str, Enum):
@@ -169,6 +169,9 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
         engine = EngineConfig(**kwargs)
     except ValueError as e:  # EngineConfig names the field: "speculation='x': expected ..."
         raise ValueError(f"parameter {e}") from None
+    if engine.kv_cache_memory and parse_memory(engine.kv_cache_memory)[1] is not None:
+        raise _bad("kv_cache_memory", engine.kv_cache_memory, "a fraction of free memory would differ in each of "
+                   "the server's processes; give bytes (e.g. 2GiB) so that every stage sizes the same pool")
     metrics = parse_bool("metrics", params.get("metrics", "") or "on")
     stage_models = {stage: params.get(param, "").strip() or default for stage, (param, default) in STAGE_MODEL_PARAMS.items()}
     if engine.mtp not in (LOCAL, FUSED):

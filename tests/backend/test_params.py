@@ -196,3 +196,9 @@ def test_fused_mtp_loads_the_heads_into_the_target_stage(tmp_path, smoke_model):
 def test_a_parameter_folded_into_mtp_fails_naming_its_replacement(old):
     with pytest.raises(ValueError, match=rf"parameter {old}='on': replaced by mtp \(fused, local or"):
         parse_backend_config({old: "on"})
+
+
+def test_a_kv_budget_is_bytes_in_a_repository():
+    assert parse_backend_config({"kv_cache_memory": "64MiB"}).engine.kv_cache_memory == "64MiB"
+    with pytest.raises(ValueError, match=r"parameter kv_cache_memory='0.5': a fraction of free memory would differ"):
+        parse_backend_config({"kv_cache_memory": "0.5"})
