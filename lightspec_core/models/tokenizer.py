@@ -58,6 +58,7 @@ class TokenizerInfo:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.special_ids = _special_ids(tokenizer)
+        self.chat_template: str | list | None = None  # tokenizer_config.json's, as transformers keeps it
         self.token_bytes: list[bytes] | None = None
         if _is_byte_level(tokenizer):
             dec = _byte_decoder()
@@ -69,10 +70,21 @@ class TokenizerInfo:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> TokenizerInfo:
+        """``tokenizer.json``, and from ``tokenizer_config.json`` (where there is one) the chat
+        template (kept for a chat API) and the added tokens it marks special."""
         path = Path(model_dir) / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"model_dir: no tokenizer.json in {model_dir}")
-        return cls(Tokenizer.from_file(str(path)))
+        info = cls(Tokenizer.from_file(str(path)))
+        extra = Path(model_dir) / "tokenizer_config.json"
+        if extra.is_file():
+            raw = json.loads(extra.read_text())
+            info.chat_template = raw.get("chat_template")
+            info.special_ids |= {int(i) for i, t in raw.get("added_tokens_decoder", {}).items() if t.get("special")}
+            for i in info.special_ids if info.token_bytes is not None else ():
+                if i < len(info.token_bytes):
+                    info.token_bytes[i] = b""
+        return info
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

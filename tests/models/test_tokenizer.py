@@ -59,3 +59,15 @@ def test_byte_level_tokenizer_streams_through_its_byte_table(default_model):
     assert info.token_bytes is not None
     ids = info.encode("def f():\n    return 'é日本😀'\n")
     assert "".join(stream(info, [], ids)) == info.decode(ids)
+
+
+def test_tokenizer_config_gives_the_chat_template_and_special_tokens(tmp_path):
+    tok = sentencepiece_style()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    b_id = tok.token_to_id("▁b")
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(
+        f'{{"chat_template": "{template}", "added_tokens_decoder": {{"{b_id}": {{"content": "▁b", "special": true}}}}}}')
+    info = TokenizerInfo.from_dir(tmp_path)
+    assert info.chat_template == template and b_id in info.special_ids
+    assert TokenizerInfo(tok).chat_template is None
