@@ -3,19 +3,20 @@
 lightspec serve [--model-repository DIR] [--http-port P] [--grpc-port P] [--metrics-port P] ...
 lightspec generate "def fib(n):" [--max-tokens N] [--url HOST:PORT] [--no-stream] [--temperature T]
 lightspec bench ...            (lightspec_backend.bench, when present)
+lightspec train-heads --model DIR --data PATH... --out DIR [--minutes M] [--steps N] [--resume] ...
+lightspec repository --model-dir DIR [--mtp-dir DIR] [--draft-dir DIR] [--set KEY=VALUE] --out REPO
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import queue
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from .generate import generate
 from .install import BACKEND_NAME, PACKAGE_DIR, default_cache_dir
 from .launcher import TritonServer
 
@@ -35,9 +36,26 @@ def _overrides(args) -> dict[str, str]:
         if not sep or not key.strip():
             raise ValueError(f"--set {item!r}: expected KEY=VALUE (a config.pbtxt parameter)")
         out[key.strip()] = value.strip()
-    for key in ("model_dir", "speculation", "policy"):
-        if getattr(args, key):
+    for key in ("model_dir", "mtp_dir", "draft_dir", "speculation", "policy"):
+        if getattr(args, key, None):
             out[key] = getattr(args, key)
+    for key in ("model_dir", "mtp_dir", "draft_dir"):  # a repository resolves relative paths against itself
+        if out.get(key):
+            out[key] = str(Path(out[key]).expanduser().resolve())
+    return _resolve_kv_fraction(out)
+
+
+def _resolve_kv_fraction(out: dict[str, str]) -> dict[str, str]:
+    """``kv_cache_memory`` as a fraction of free memory becomes bytes here, measured once, so that
+    every process of the server sizes the same pool (see ``lightspec_core.engine.kv_budget``)."""
+    from lightspec_core.config import default_model_dir, parse_memory
+
+    value = out.get("kv_cache_memory")
+    if value and (fraction := parse_memory(value)[1]) is not None:
+        from lightspec_core.engine.kv_budget import available_memory, weights_bytes
+
+        weights = weights_bytes(out.get("model_dir") or default_model_dir(), out.get("dtype") or "float32")
+        out["kv_cache_memory"] = str(int(fraction * max(available_memory(out.get("device") or "cpu") - weights, 0)))
     return out
 
 
@@ -182,110 +200,6 @@ def serve(args) -> int:
         server.stop()
 
 
-def _inputs(args) -> list:
-    from .client import grpc_inputs
-
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    tensors = {
-        "text_input": prompt,
-        "max_tokens": args.max_tokens,
-        "stream": not args.no_stream,
-        "exclude_input_in_output": True,
-        "return_num_output_tokens": True,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-    }
-    if args.seed is not None:
-        tensors["seed"] = args.seed
-    if args.num_draft_tokens is not None:
-        tensors["num_draft_tokens"] = args.num_draft_tokens
-    if args.stop:
-        tensors["stop_words"] = args.stop
-    return grpc_inputs(**tensors)
-
-
-@dataclass
-class _Progress:
-    """One request's stream as ``generate`` prints it: text to stdout, counts for the summary."""
-
-    t0: float
-    first: float | None = None  # when the first text arrived
-    tokens: int = 0
-    last: object = None  # the last result with outputs (its counters are the request's totals)
-
-    def add(self, result) -> None:
-        text = result.as_numpy("text_output")
-        if text is not None and text.size:
-            if self.first is None:
-                self.first = time.perf_counter()
-            sys.stdout.write(text.reshape(-1)[0].decode("utf-8", errors="replace"))
-            sys.stdout.flush()
-        n = result.as_numpy("num_output_tokens")
-        self.tokens += int(n.reshape(-1)[0]) if n is not None else 0
-        self.last = result
-
-    def summary(self, elapsed: float, streamed: bool) -> str:
-        last = self.last
-        reason = last.as_numpy("finish_reason").reshape(-1)[0].decode()
-        drafted = int(last.as_numpy("total_draft_tokens").reshape(-1)[0])
-        accepted = int(last.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
-        rate = float(last.as_numpy("acceptance_rate").reshape(-1)[0])
-        ttft = (
-            f", first token after {1000 * (self.first - self.t0):.0f} ms" if self.first is not None and streamed else ""
-        )
-        return (
-            f"[{self.tokens} tokens in {elapsed:.2f}s: {self.tokens / elapsed:.1f} tokens/s{ttft}; "
-            f"finish_reason={reason}; acceptance rate {100 * rate:.1f}% ({accepted}/{drafted} draft tokens)]"
-        )
-
-
-def _receive(results: queue.Queue, timeout: float, progress: _Progress) -> str | None:
-    """Read one request's stream until its final response; return the error, or ``None``."""
-    from tritonclient.utils import InferenceServerException
-
-    from .client import is_final
-
-    while True:
-        try:
-            result, error = results.get(timeout=timeout)
-        except queue.Empty:
-            return f"no response for {timeout}s"
-        if error is not None:
-            return f"error: {error.message() if isinstance(error, InferenceServerException) else error}"
-        if result.get_response().outputs:
-            progress.add(result)
-        if is_final(result):
-            return None
-
-
-def generate(args) -> int:
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(args.url)
-    results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    progress = _Progress(time.perf_counter())
-    try:
-        client.async_stream_infer(args.model, _inputs(args), enable_empty_final_response=True)
-        error = _receive(results, args.timeout, progress)
-    except KeyboardInterrupt:
-        client.stop_stream(cancel_requests=True)
-        print("\n[cancelled]", file=sys.stderr)
-        return 130
-    finally:
-        client.stop_stream()
-        client.close()
-    if error is not None:
-        print(f"\n{error}", file=sys.stderr)
-        return 1
-    elapsed = time.perf_counter() - progress.t0
-    print()
-    if progress.last is not None:
-        print(progress.summary(elapsed, streamed=not args.no_stream), file=sys.stderr)
-    return 0
-
-
 def bench(args) -> int:
     try:
         module = importlib.import_module("lightspec_backend.bench")
@@ -295,6 +209,31 @@ def bench(args) -> int:
         print("lightspec bench is not available in this version", file=sys.stderr)
         return 2
     return module.main(args.bench_args)
+
+
+def repository(args) -> int:
+    """Write the model repository ``serve --model-dir`` would generate, validated the same way."""
+    from .repository import write_model_repository
+
+    try:
+        repo = write_model_repository(Path(args.out), _overrides(args))
+        notes = validate_repository(repo)
+    except ValueError as e:
+        print(f"lightspec repository: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(note)
+    models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
+    print(f"wrote {repo}: {', '.join(models)}; serve it with lightspec serve --model-repository {repo}, or copy "
+          "the models into a Triton repository (backend: lightspec, see docs/serving.md)")
+    return 0
+
+
+def train_heads(args) -> int:
+    # torch comes with the training package: only this command pays for importing it
+    from lightspec_core.training.train_heads import main as train_heads_main
+
+    return train_heads_main(args.train_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(f"--{name}-port", type=int, help=f"default {port}; 0 picks a free port")
     s.add_argument("--model-dir", help="target checkpoint (generates a repository; MTP/draft are its siblings)")
     s.add_argument("--speculation", help="mtp | draft | ngram | none")
-    s.add_argument("--policy", help="dynamic | dynamic:latency | off | static | static:K")
+    s.add_argument("--policy", help="dynamic | off | static | static:K")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config.pbtxt parameter (repeatable)")
     s.add_argument("--tritonserver", help="tritonserver binary (default: PATH, then the nvidia-pytriton wheel)")
     s.add_argument("--startup-timeout", type=float, default=600.0)
@@ -335,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     # Arguments after "bench" belong to lightspec_backend.bench; main() hands them over untouched.
     b = sub.add_parser("bench", help="benchmark (see lightspec_backend.bench)", add_help=False)
     b.set_defaults(func=bench, bench_args=[])
+
+    r = sub.add_parser("repository", help="write a model repository for a checkpoint (to copy into a Triton)")
+    r.add_argument("--model-dir", required=True, help="target checkpoint (Hugging Face layout)")
+    r.add_argument("--mtp-dir", help="MTP heads (default: the target's sibling mtp/, or lightspec train-heads')")
+    r.add_argument("--draft-dir", help="draft model for speculation draft (default: the sibling draft/)")
+    r.add_argument("--speculation", help="mtp | draft | ngram | none")
+    r.add_argument("--policy", help="dynamic | off | static | static:K")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config.pbtxt parameter (repeatable)")
+    r.add_argument("--out", required=True, help="the repository directory to write")
+    r.set_defaults(func=repository)
+
+    # Likewise for "train-heads": lightspec_core.training.train_heads parses them (and prints its --help).
+    t = sub.add_parser("train-heads", help="train MTP heads for a target checkpoint", add_help=False)
+    t.set_defaults(func=train_heads, train_args=[])
     return p
 
 
@@ -343,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         args = build_parser().parse_args(["bench"])
         args.bench_args = argv[1:]
+    elif argv[:1] == ["train-heads"]:
+        args = build_parser().parse_args(["train-heads"])
+        args.train_args = argv[1:]
     else:
         args = build_parser().parse_args(argv)
     return args.func(args)

@@ -39,7 +39,7 @@ ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 # Parameters that were folded into ``mtp``: a config that still sets them fails naming the new one.
 REPLACED_PARAMS = {"mtp_model": "mtp", "mtp_heads": "mtp", "fused_mtp": "mtp"}
 # The KV geometry every KV-owning stage must share with the orchestrator, which allocates blocks.
-KV_PARAMS = ("num_kv_blocks", "block_size")
+KV_PARAMS = ("num_kv_blocks", "block_size", "kv_cache_memory")
 PATH_PARAMS = ("model_dir", "mtp_dir", "draft_dir")
 _TRUE, _FALSE = ("on", "true", "1", "yes"), ("off", "false", "0", "no")
 LOCAL, FUSED = MTP_LOCAL, MTP_FUSED

@@ -74,7 +74,7 @@ STAGE_IO = {
 # is the profile the orchestrator's engine asks for (the target stage also reads ``mtp`` and
 # ``speculation``: with ``mtp: fused`` it loads the MTP heads).
 PROFILE_PARAMS = ("speculation", "policy", "max_draft_tokens", "max_num_seqs", "max_num_batched_tokens", "mtp",
-                  "profile_stages", "max_model_len", "num_kv_blocks", "block_size")
+                  "profile_stages", "max_model_len", "num_kv_blocks", "block_size", "kv_cache_memory")
 STAGE_PARAMS = {
     Role.TARGET: ("model_dir", "mtp_dir", "device", "num_threads", "dtype", *PROFILE_PARAMS),
     Role.DRAFT: ("model_dir", "draft_dir", "device", "num_threads", "dtype", *PROFILE_PARAMS),

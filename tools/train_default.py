@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import shutil
 import sysconfig
@@ -32,32 +31,12 @@ import torch.nn.functional as F
 from lightspec_core.corpus import stdlib_files
 from lightspec_core.models.llama import LlamaConfig, LlamaModel, num_params
 from lightspec_core.models.mtp_heads import MTPConfig, MTPHeads
+from lightspec_core.training.data import batches, encode_documents, frequent_tokens, read_documents
+from lightspec_core.training.distill import cosine_lr, greedy_windows, mtp_chain_logits
+from lightspec_core.training.evaluate import chain_acceptance
+from lightspec_core.training.loop import Budget, DistillConfig, HeadTrainer, run_training
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
-
-
-def frequent_tokens(ids: torch.Tensor, vocab_size: int, n: int) -> list[int]:
-    """The ``n`` most frequent token ids of a corpus (ties: lower id first)."""
-    counts = torch.bincount(ids.to(torch.int64).flatten(), minlength=vocab_size)
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
-    return sorted(order[:n])
-
-
-def cosine_lr(step_frac: float, peak: float, warmup_frac: float = 0.03) -> float:
-    if step_frac < warmup_frac:
-        return peak * step_frac / warmup_frac
-    p = min(1.0, (step_frac - warmup_frac) / (1 - warmup_frac))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
-
-
-def read_texts(paths: list[Path]) -> list[str]:
-    out = []
-    for p in paths:
-        try:
-            out.append(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -78,18 +57,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 
 def encode_corpus(tok, texts: list[str]) -> torch.Tensor:
-    eos = tok.token_to_id("</s>")
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.int32)
-
-
-def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
-    while True:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-        yield torch.stack([data[s : s + seq + 1] for s in starts]).long()
+    return encode_documents(tok, texts, tok.token_to_id("</s>"))
 
 
 def train_lm(model: LlamaModel, data, batch, seq, minutes, lr, max_steps, log, seed):
@@ -117,59 +85,17 @@ def train_lm(model: LlamaModel, data, batch, seq, minutes, lr, max_steps, log, s
     return step, time.time() - t0
 
 
-def mtp_chain_logits(mtp: MTPHeads, target: LlamaModel, hid: torch.Tensor, ids: torch.Tensor):
-    """Teacher-forced MTP chain on a training window.
-
-    hid [B, T, H] target hidden at positions 0..T-1; ids [B, T] the window's tokens.
-    Head i (1-based) at position t sees the state chain and the embedding of token t+i and
-    predicts the target's distribution at position t+i, i.e. token t+i+1.
-    Returns a list of K logits tensors, head i's of shape [B, T-i, V].
-    """
-    emb = target.model.embed_tokens
-    out = []
-    state = hid
-    for i, head in enumerate(mtp.heads, start=1):
-        state = state[:, :-1]
-        state, normed = head(state, emb(ids[:, i:]))
-        out.append(target.lm_head(normed))
-    return out
-
-
 def train_mtp(mtp, target, data, batch, seq, minutes, lr, max_steps, log, seed, generated=None, share=0.5):
-    """``generated`` (optional, [n, seq] windows from :func:`greedy_windows`): that share of every
-    batch is drawn from them instead of the text."""
-    for p in target.parameters():
-        p.requires_grad_(False)
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(mtp.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    t0, step, it = time.time(), 0, batches(data, batch, seq, gen)
-    mtp.train()
-    while True:
-        frac = max((time.time() - t0) / (minutes * 60), step / max_steps)
-        if frac >= 1.0:
-            break
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(frac, lr)
-        x = next(it)[:, :-1]
-        if generated is not None and (n_gen := round(batch * share)):
-            rows = torch.randint(0, len(generated), (n_gen,), generator=gen)
-            x = torch.cat([x[n_gen:], generated[rows, :seq]])
-        with torch.no_grad():
-            hid = target.forward_train(x)
-            tgt_logp = F.log_softmax(target.lm_head(hid), -1)
-        loss = 0.0
-        for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, x), start=1):
-            teacher = tgt_logp[:, i:].exp()
-            loss = loss - (teacher * F.log_softmax(lg, -1)).sum(-1).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 50 == 0:
-            log(f"  mtp step {step} loss {loss.item():.3f} frac {frac:.2f} {time.time() - t0:.0f}s")
-    mtp.eval()
-    return step, time.time() - t0
+    """``generated`` (optional, [n, seq] windows from ``greedy_windows``): that share of every
+    batch is drawn from them instead of the text. Returns (steps, seconds)."""
+    trainer = HeadTrainer(mtp, target, data, DistillConfig(batch, seq, lr, share, seed), generated)
+
+    def on_step(p, frac: float) -> None:
+        if p.step % 50 == 0:
+            log(f"  mtp step {p.step} loss {p.loss:.3f} frac {frac:.2f} {p.elapsed:.0f}s")
+
+    progress, _ = run_training(trainer, Budget(minutes, max_steps), on_step=on_step)
+    return progress.step, progress.train_seconds
 
 
 def train_mtp_preset(mtp, target, data, pr: dict, lr: float, log, seed: int, generated=None, share: float = 0.5):
@@ -204,72 +130,6 @@ def evaluate(target, mtp, draft, valid, seq, n_batches, seed):
         "draft_val_loss": round(dl / n_batches, 4),
         "draft_greedy_agreement": round(draft_agree / n_batches, 4),
         "mtp_head_greedy_acceptance": [round(a / n_batches, 4) for a in agree],
-    }
-
-
-def greedy_windows(
-    model_dir: Path, data: torch.Tensor, n: int, prompt_len: int, gen_len: int, seed: int
-) -> torch.Tensor:
-    """``n`` windows [n, prompt_len + gen_len]: ``prompt_len`` tokens of ``data`` from random places,
-    then the target's greedy continuation of them, generated by the engine without speculation.
-
-    This is what the heads see when serving: the hidden states of the target's own continuations
-    and, as the tokens their chain is conditioned on, its greedy tokens, not the text's. A small
-    model's greedy continuations are far more repetitive than the text it learned from."""
-    from lightspec_core.config import EngineConfig, SamplingParams
-    from lightspec_core.engine.engine import LLMEngine
-
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(data) - prompt_len, (n,), generator=gen).tolist()
-    prompts = [data[s : s + prompt_len].tolist() for s in starts]
-    blocks = 64 * -(-(prompt_len + gen_len) // 16)
-    engine = LLMEngine(
-        EngineConfig(
-            model_dir=str(model_dir),
-            speculation="none",
-            policy="off",
-            max_num_seqs=64,
-            num_kv_blocks=blocks,
-            block_size=16,
-            profile_stages=False,
-        )
-    )
-    try:
-        outs = engine.generate(prompts, SamplingParams(max_tokens=gen_len, ignore_eos=True))
-    finally:
-        engine.close()
-    return torch.tensor([p + o.output_token_ids for p, o in zip(prompts, outs)], dtype=torch.int64)
-
-
-@torch.no_grad()
-def chain_acceptance(target: LlamaModel, mtp: MTPHeads, windows: torch.Tensor, gen_start: int) -> dict:
-    """The heads on the target's greedy continuations (``windows`` from :func:`greedy_windows`;
-    ``gen_start`` = their prompt length), as greedy speculation uses them: from each position t of a
-    continuation, head i's top-1 (over the draft vocabulary, if any) against the target's greedy
-    token t+i+1, the chain conditioned on the target's tokens. Returns each head's agreement and
-    ``mtp_chain_accepted``: the mean number of leading heads that agree, the drafts a step accepts
-    with all K heads drafting."""
-    k = mtp.config.num_heads
-    vocab = torch.tensor(mtp.draft_vocab) if mtp.draft_vocab else None
-    agree = torch.zeros(k)
-    chain = 0.0
-    count = 0
-    first = gen_start - 1  # t: the hidden state before the first generated token
-    t_end = windows.shape[1] - 1 - k  # positions t in [first, t_end) for every head alike
-    for rows in windows.split(16):
-        hid = target.forward_train(rows)
-        ok = None
-        for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, rows), start=1):
-            lg = lg[:, first:t_end]  # lg[:, t] predicts token t+i+1
-            pick = lg.argmax(-1) if vocab is None else vocab[lg[..., vocab].argmax(-1)]
-            hit = pick == rows[:, first + i + 1 : t_end + i + 1]
-            agree[i - 1] += hit.float().sum()
-            ok = hit if ok is None else ok & hit
-            chain += ok.float().sum().item()
-        count += ok.numel()
-    return {
-        "mtp_head_greedy_continuation_agreement": [round(float(a) / count, 4) for a in agree],
-        "mtp_chain_accepted": round(chain / count, 4),
     }
 
 
@@ -424,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
 def train_family(a: argparse.Namespace, pr: dict, log, t_start: float) -> dict:
     """Tokenizer, target, MTP heads and draft model from scratch; writes them and the report to ``a.out``."""
     train_files, valid_files = corpus_files(pr["max_files"])
-    train_texts, valid_texts = read_texts(train_files), read_texts(valid_files)
+    train_texts, valid_texts = read_documents(train_files), read_documents(valid_files)
     log(f"{len(train_texts)} train files, {len(valid_texts)} held-out files")
     tok = train_tokenizer(train_texts, pr["vocab"])
     train_data, valid_data = encode_corpus(tok, train_texts), encode_corpus(tok, valid_texts)
@@ -499,7 +359,7 @@ def load_corpus(tok_dir: Path, max_files: int | None):
 
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     train_files, valid_files = corpus_files(max_files)
-    return encode_corpus(tok, read_texts(train_files)), encode_corpus(tok, read_texts(valid_files))
+    return encode_corpus(tok, read_documents(train_files)), encode_corpus(tok, read_documents(valid_files))
 
 
 def continue_heads(a, pr: dict, log, t_start: float) -> dict:

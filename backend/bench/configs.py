@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..params import FUSED, LOCAL
-from ..repository import default_parameters, render_orchestrator, write_model_repository
+from ..params import FUSED, LOCAL, Role
+from ..repository import STAGE_PARAMS, default_parameters, render_orchestrator, render_stage, write_model_repository
 
 DEFAULT_CONFIGS = ["none", "static:1", "static:2", "static:4", "dynamic"]
 METHODS = ("mtp", "ngram", "draft")
@@ -118,6 +118,13 @@ def write_bench_repository(
     """The stage models plus one orchestrator per configuration (and the plain ``lightspec`` one)."""
     fused = any(c.mtp == FUSED for c in configs)  # then the shared target stage loads the heads
     dst = write_model_repository(dst, {**overrides, "mtp": FUSED} if fused else overrides)
+    if any(c.method == "draft" for c in configs) and not (dst / DRAFT_STAGE / "config.pbtxt").is_file():
+        # the generated repository has a draft stage only for speculation draft; the shared one here
+        # serves the draft configurations beside the others
+        params = {**default_parameters(), **overrides, "speculation": "draft"}
+        (dst / DRAFT_STAGE / "1").mkdir(parents=True, exist_ok=True)
+        text = render_stage(Role.DRAFT, DRAFT_STAGE, {k: params[k] for k in STAGE_PARAMS[Role.DRAFT] if k in params})
+        (dst / DRAFT_STAGE / "config.pbtxt").write_text(text)
     for c in configs:
         params = {**default_parameters(), **overrides, **c.parameters(max_draft_tokens)}
         (dst / c.model_name / "1").mkdir(parents=True, exist_ok=True)

@@ -51,3 +51,22 @@ def test_cli_validation_leaves_other_backends_models_alone(tmp_path):
     assert cli.validate_repository(tmp_path) == []
     with pytest.raises(ValueError, match="not a directory"):
         cli.validate_repository(tmp_path / "missing")
+
+
+def test_cli_repository_writes_a_validated_repository_for_a_checkpoint(tmp_path, smoke_model, capsys, monkeypatch):
+    from lightspec_backend.params import parse_backend_config, read_config_parameters
+
+    monkeypatch.chdir(smoke_model)  # a relative --model-dir is made absolute: the repository may move
+    out = tmp_path / "repo"
+    argv = ["repository", "--model-dir", "target", "--set", "num_kv_blocks=32", "--set", "kv_cache_memory=0.5",
+            "--out", str(out)]
+    assert cli.main(argv) == 0
+    assert "wrote" in capsys.readouterr().out
+    orch = parse_backend_config(read_config_parameters(out / "lightspec" / "config.pbtxt"), base_dir=out)
+    assert orch.engine.model_dir == str((smoke_model / "target").resolve())
+    # a fraction of free memory became bytes once, for every model of the repository alike
+    budget = orch.engine.kv_cache_memory
+    assert budget.isdigit() and int(budget) > 0
+    assert read_config_parameters(out / "lightspec_target" / "config.pbtxt")["kv_cache_memory"] == budget
+    assert cli.main(["repository", "--model-dir", "target", "--policy", "bogus", "--out", str(tmp_path / "bad")]) == 2
+    assert "parameter policy='bogus'" in capsys.readouterr().err.splitlines()[-1]

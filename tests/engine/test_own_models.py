@@ -48,3 +48,33 @@ def test_every_eos_id_of_generation_config_stops(tmp_path, default_model):
     out = eng.generate(PROMPTS[0], SamplingParams(max_tokens=24))[0]
     eng.close()
     assert out.finish_reason == "stop" and out.output_token_ids == free[: free.index(stop_at) + 1]
+
+
+@pytest.mark.parametrize("case", ["llama-llama3", "qwen3"])
+def test_heads_trained_for_another_family_speculate_losslessly(tmp_path, default_model, case):
+    """``lightspec train-heads`` in smoke size on a family checkpoint: its heads serve, and greedy
+    output with them is plain greedy decoding."""
+    from lightspec_core.corpus import stdlib_files
+    from lightspec_core.training.train_heads import main as train_heads
+
+    path = own_model(tmp_path, default_model, case)
+    data = tmp_path / "text"
+    data.mkdir()
+    for src in stdlib_files()[0][:4]:
+        (data / src.name).write_text(src.read_text(encoding="utf-8", errors="replace"))
+    heads = tmp_path / "heads"
+    argv = ["--model", str(path), "--data", str(data), "--out", str(heads), "--steps", "3", "--seq", "32", "--batch",
+            "4", "--continuations", "4", "--eval-windows", "4", "--quiet"]
+    assert train_heads(argv) == 0
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for spec, policy in (("none", "off"), ("mtp", "static:4")):
+        eng = LLMEngine(EngineConfig(model_dir=str(path), mtp_dir=str(heads), speculation=spec, policy=policy,
+                                     num_kv_blocks=32, block_size=8))
+        try:
+            res = eng.generate(PROMPTS, params)
+        finally:
+            eng.close()
+        outs[spec] = [o.output_token_ids for o in res]
+        drafted = sum(o.num_draft_tokens for o in res)
+    assert drafted > 0 and outs["mtp"] == outs["none"]

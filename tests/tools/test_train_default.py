@@ -1,12 +1,11 @@
-"""The training script's continue-the-heads mode, on the smoke family."""
+"""The training script's continue-the-heads mode, on the smoke family (the pieces it shares with
+``lightspec train-heads`` are tested in tests/training/)."""
 
 from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-import torch
 
 from tools.train_default import main
 
@@ -50,63 +49,6 @@ def test_greedy_data_trains_on_the_targets_continuations_and_reports_the_chain(s
     assert again["mtp_continued_earlier"][-1]["greedy_continuations"] == 12
     assert again["mtp_continued"]["greedy_continuations"] == 0
     assert again["mtp_continued"]["before"] == run["after"]
-
-
-def test_greedy_windows_are_the_targets_greedy_continuations(smoke_model):
-    from lightspec_core.models.llama import LlamaModel
-    from tools.train_default import greedy_windows, load_corpus
-
-    _, valid = load_corpus(smoke_model / "target", 4)
-    windows = greedy_windows(smoke_model / "target", valid, 3, 10, 12, seed=0)
-    assert windows.shape == (3, 22)
-    target = LlamaModel.load(smoke_model / "target")
-    with torch.no_grad():  # an independent path: the training forward over the whole window
-        greedy = target.lm_head(target.forward_train(windows)).argmax(-1)
-    assert torch.equal(greedy[:, 9:21], windows[:, 10:])
-
-
-def test_chain_acceptance_counts_what_serving_heads_would_accept(smoke_model):
-    """The metric against the serving path: MTPRunner's greedy chain from every position of a
-    continuation, its drafts compared with the continuation's next tokens."""
-    from lightspec_core.models.llama import LlamaModel
-    from lightspec_core.models.mtp_heads import MTPHeads
-    from lightspec_core.stages.contract import MTPCall
-    from lightspec_core.stages.mtp import MTPRunner
-    from tools.train_default import chain_acceptance, greedy_windows, load_corpus
-
-    _, valid = load_corpus(smoke_model / "target", 4)
-    prompt, gen = 8, 16
-    windows = greedy_windows(smoke_model / "target", valid, 4, prompt, gen, seed=1)
-    target, mtp = LlamaModel.load(smoke_model / "target"), MTPHeads.load(smoke_model / "mtp")
-    got = chain_acceptance(target, mtp, windows, prompt)
-    runner = MTPRunner(smoke_model / "target", smoke_model / "mtp")
-    k = mtp.config.num_heads
-    with torch.no_grad():
-        hid = target.forward_train(windows)
-    total, count, agree = 0, 0, [0] * k
-    for w in range(len(windows)):
-        for t in range(prompt - 1, windows.shape[1] - 1 - k):
-            res = runner.execute(
-                MTPCall(
-                    hidden=hid[w, t : t + 1].numpy(),
-                    last_ids=windows[w, t + 1 : t + 2].numpy(),
-                    num_tokens=np.array([k], np.int32),
-                    temperature=np.zeros(1, np.float32),
-                    top_k=np.zeros(1, np.int32),
-                    top_p=np.ones(1, np.float32),
-                    uniforms=np.zeros((1, k), np.float32),
-                    return_probs=np.array([False]),
-                )
-            )
-            want = windows[w, t + 2 : t + 2 + k].numpy()
-            hits = res.draft_ids[0] == want
-            agree = [a + int(h) for a, h in zip(agree, hits)]
-            total += int(np.cumprod(hits).sum())
-            count += 1
-    assert got["mtp_chain_accepted"] == round(total / count, 4)
-    # head 1 sees the same inputs on both paths; later heads are teacher-forced in the metric, so
-    # only their leading run (the chain) must agree
-    assert got["mtp_head_greedy_continuation_agreement"][0] == round(agree[0] / count, 4)
 
 
 def test_greedy_data_needs_a_trained_family(tmp_path, capsys):

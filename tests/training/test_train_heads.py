@@ -1,0 +1,154 @@
+"""``lightspec train-heads`` end to end on the smoke target: what it writes, its budget, resuming,
+its errors, and heads that serve losslessly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+
+from lightspec_core.models.mtp_heads import MTPHeads
+from lightspec_core.training import loop
+from lightspec_core.training.checkpoint import load_checkpoint
+from lightspec_core.training.train_heads import main
+
+SMALL = ["--seq", "32", "--batch", "4", "--continuations", "8", "--eval-windows", "8", "--quiet"]
+
+
+def train(smoke_model, text_dir, out, *extra: str) -> int:
+    return main(["--model", str(smoke_model / "target"), "--data", str(text_dir), "--out", str(out), *SMALL, *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(smoke_model, text_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("heads") / "out"
+    assert train(smoke_model, text_dir, out, "--steps", "4", "--draft-vocab", "200") == 0
+    return out
+
+
+def test_the_command_writes_loadable_heads_sized_from_the_target_and_their_evaluation(trained, smoke_model):
+    heads = MTPHeads.load(trained)
+    target_cfg = json.loads((smoke_model / "target" / "config.json").read_text())
+    assert heads.config.num_heads == 4 and heads.config.hidden_size == target_cfg["hidden_size"]
+    assert heads.config.intermediate_size == 2 * target_cfg["hidden_size"]
+    assert len(heads.draft_vocab) == 200
+    report = json.loads((trained / "eval.json").read_text())
+    for key in ("head_greedy_acceptance", "continuation_head_agreement"):
+        assert len(report[key]) == 4 and all(0.0 <= a <= 1.0 for a in report[key])
+    assert report["acceptance_length"] == pytest.approx(1.0 + report["chain_accepted"])
+    assert 1.0 <= report["acceptance_length"] <= 5.0
+    data = report["data"]
+    assert data["files"] == 7 and data["heldout_documents"] >= 1 and data["train_tokens"] > data["heldout_tokens"] > 0
+    assert data["continuations"] == 8 and data["heldout_continuations"] == 8
+
+
+def test_steps_are_honoured_and_recorded_in_the_checkpoint(trained):
+    assert json.loads((trained / "eval.json").read_text())["steps"] == 4
+    state = load_checkpoint(trained)
+    assert state["progress"]["step"] == 4 and state["progress"]["elapsed"] > 0
+    assert state["settings"]["draft_vocab"] == 200
+
+
+def test_the_trained_heads_serve_the_same_greedy_tokens_as_no_speculation(trained, smoke_model):
+    from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = ["def f(x):\n    return", "import json\n", "class A:\n"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for spec in ("none", "mtp"):
+        engine = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), mtp_dir=str(trained),
+                                        speculation=spec, policy="static:4" if spec == "mtp" else "off"))  # fmt: skip
+        try:
+            outs[spec] = engine.generate(prompts, params)
+        finally:
+            engine.close()
+    assert [o.output_token_ids for o in outs["mtp"]] == [o.output_token_ids for o in outs["none"]]
+    assert sum(o.num_draft_tokens for o in outs["mtp"]) > 0  # the heads did draft
+
+
+def test_a_resumed_run_continues_to_the_parameters_of_an_uninterrupted_one(smoke_model, text_dir, tmp_path,
+                                                                           monkeypatch):  # fmt: skip
+    assert train(smoke_model, text_dir, tmp_path / "whole", "--steps", "6") == 0
+    real_step, calls = loop.HeadTrainer.step, []
+
+    def interrupted_step(self, frac):
+        calls.append(frac)
+        if len(calls) == 3:  # as Ctrl-C would, mid-step: the step finishes, then the run stops
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self, frac)
+
+    monkeypatch.setattr(loop.HeadTrainer, "step", interrupted_step)
+    assert train(smoke_model, text_dir, tmp_path / "parts", "--steps", "6") == 130
+    assert load_checkpoint(tmp_path / "parts")["progress"]["step"] == 3
+    assert not (tmp_path / "parts" / "mtp.safetensors").exists()
+    monkeypatch.setattr(loop.HeadTrainer, "step", real_step)
+    assert train(smoke_model, text_dir, tmp_path / "parts", "--steps", "6", "--resume") == 0
+    whole, parts = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("whole", "parts"))
+    assert parts["steps"] == whole["steps"] == 6
+    assert (tmp_path / "parts/mtp.safetensors").read_bytes() == (tmp_path / "whole/mtp.safetensors").read_bytes()
+    assert parts["head_greedy_acceptance"] == whole["head_greedy_acceptance"]
+    assert parts["total_seconds"] > load_checkpoint(tmp_path / "parts")["progress"]["train_seconds"]
+
+
+def bad_model_dirs(smoke_model, tmp_path):
+    no_config = tmp_path / "no_config"
+    shutil.copytree(smoke_model / "target", no_config)
+    (no_config / "config.json").unlink()
+    small_vocab = tmp_path / "small_vocab"  # the smoke tokenizer has 512 tokens
+    shutil.copytree(smoke_model / "target", small_vocab)
+    cfg = json.loads((small_vocab / "config.json").read_text())
+    (small_vocab / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    return no_config, small_vocab
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("empty data", ["--data", "no text files"]),
+        ("missing data", ["--data", "no such file"]),
+        ("no config", ["--model", "config.json"]),
+        ("small vocab", ["--model", "tokenizer.json", "512", "vocab_size 300"]),
+        ("no heads", ["--heads 0"]),
+        ("no budget", ["--minutes", "--steps"]),
+        ("resume nothing", ["--resume", "checkpoint.pt"]),
+    ],
+)
+def test_bad_input_fails_naming_the_option(smoke_model, text_dir, tmp_path, capsys, case, named):
+    no_config, small_vocab = bad_model_dirs(smoke_model, tmp_path)
+    (tmp_path / "empty").mkdir()
+    model, data, extra = smoke_model / "target", text_dir, ["--steps", "1"]
+    if case == "empty data":
+        data = tmp_path / "empty"
+    elif case == "missing data":
+        data = tmp_path / "missing"
+    elif case in ("no config", "small vocab"):
+        model = no_config if case == "no config" else small_vocab
+    elif case == "no heads":
+        extra += ["--heads", "0"]
+    elif case == "no budget":
+        extra = []
+    elif case == "resume nothing":
+        extra += ["--resume"]
+    argv = ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out"), *SMALL, *extra]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lightspec train-heads: ") and all(w in last for w in named), last
+
+
+def test_a_finished_run_is_neither_overwritten_nor_resumed_with_other_settings(trained, smoke_model, text_dir, capsys):
+    assert train(smoke_model, text_dir, trained, "--steps", "4") == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "add --resume" in err
+    assert train(smoke_model, text_dir, trained, "--steps", "4", "--resume", "--heads", "2") == 2
+    assert "--heads 2: the checkpoint in --out was trained with --heads 4" in capsys.readouterr().err
+
+
+def test_the_lightspec_command_hands_train_heads_its_arguments(smoke_model, tmp_path, capsys):
+    from lightspec_backend import cli
+
+    assert cli.main(["train-heads", "--model", str(tmp_path), "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+                     "--steps", "1"]) == 2  # fmt: skip
+    assert "--model" in capsys.readouterr().err
