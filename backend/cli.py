@@ -66,7 +66,7 @@ def _repository(args) -> Path:
     if args.model_repository:
         if overrides:
             raise ValueError(
-                "--set/--model-dir/--speculation/--policy generate a repository; "
+                "--set/--model-dir/--mtp-dir/--draft-dir/--speculation/--policy generate a repository; "
                 "edit config.pbtxt instead when passing --model-repository"
             )
         return Path(args.model_repository)
@@ -245,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, port in DEFAULT_PORTS.items():
         s.add_argument(f"--{name}-port", type=int, help=f"default {port}; 0 picks a free port")
     s.add_argument("--model-dir", help="target checkpoint (generates a repository; MTP/draft are its siblings)")
+    s.add_argument("--mtp-dir", help="MTP heads (default: the target's sibling mtp/)")
+    s.add_argument("--draft-dir", help="draft model with the target's tokenizer (default: the sibling draft/)")
     s.add_argument("--speculation", help="mtp | draft | ngram | none")
     s.add_argument("--policy", help="dynamic | off | static | static:K")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config.pbtxt parameter (repeatable)")

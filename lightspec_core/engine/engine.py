@@ -15,6 +15,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
@@ -48,6 +49,18 @@ log = logging.getLogger("lightspec")
 def served_context(cfg: EngineConfig, target_dir: str) -> int:
     """The longest sequence an engine of this configuration serves with this target."""
     return cfg.context_length(LlamaConfig.from_dir(target_dir).max_position_embeddings)
+
+
+def check_same_vocabulary(target_dir: str, draft_dir: str) -> None:
+    """A draft model proposes token ids the target verifies: both must mean the same by each id."""
+    target, draft = LlamaConfig.from_dir(target_dir), LlamaConfig.from_dir(draft_dir)
+    same = target.vocab_size == draft.vocab_size
+    if same and (Path(draft_dir) / "tokenizer.json").is_file():
+        same = TokenizerInfo.from_dir(draft_dir).tokenizer.get_vocab() == TokenizerInfo.from_dir(
+            target_dir).tokenizer.get_vocab()
+    if not same:
+        raise ValueError(f"draft_dir={draft_dir!r}: the draft model's vocabulary differs from the target's "
+                         f"({draft.vocab_size} against {target.vocab_size} ids, or other tokens)")
 
 
 def build_local_executor(cfg: EngineConfig) -> LocalExecutor:
@@ -93,8 +106,10 @@ class LLMEngine:
         self.config = cfg = config or EngineConfig()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        target_dir, _, _ = resolve_dirs(cfg)
+        target_dir, _, draft_dir = resolve_dirs(cfg)
         self.model_config = LlamaConfig.from_dir(target_dir)
+        if cfg.method is SpecMethod.DRAFT:
+            check_same_vocabulary(target_dir, draft_dir)
         # in process the pool is here; a server's stages check their own (see kv_budget)
         self.config = cfg = with_kv_budget(cfg, self.model_config, target_dir, allow_fraction=executor is None,
                                            check_fit=executor is None)

@@ -78,3 +78,16 @@ def test_heads_trained_for_another_family_speculate_losslessly(tmp_path, default
         outs[spec] = [o.output_token_ids for o in res]
         drafted = sum(o.num_draft_tokens for o in res)
     assert drafted > 0 and outs["mtp"] == outs["none"]
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_draft_dir(tmp_path, default_model):
+    target = own_model(tmp_path, default_model, "qwen3")
+    model_type, overrides, how = CASES["llama-linear"]
+    draft = save_hf_checkpoint(tmp_path / "draft", model_type, overrides, **how)  # 256 ids, not 4096
+    with pytest.raises(ValueError, match=r"draft_dir=.*the draft model's vocabulary differs from the target's"):
+        LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(draft), speculation="draft", num_kv_blocks=32,
+                               block_size=8))
+    same = own_model(tmp_path / "same", default_model, "llama-linear")  # the target's tokenizer: accepted
+    eng = LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(same), speculation="draft", policy="static:2",
+                                 num_kv_blocks=32, block_size=8))
+    eng.close()
