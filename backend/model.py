@@ -85,7 +85,7 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     executor = BLSExecutor(stages, pb_utils)
     if config.engine.speculative and config.local_stage(config.engine.speculation):
         from lightspec_core.config import resolve_dirs
-        from lightspec_core.engine.engine import served_context
+        from lightspec_core.engine.build import served_context
         from lightspec_core.stages.executor import LocalExecutor, RoutingExecutor
         from lightspec_core.stages.mtp import MTPRunner
 
@@ -129,7 +129,7 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     from lightspec_backend.stage import StageModel
 
     from lightspec_core.config import resolve_dirs
-    from lightspec_core.engine.engine import served_context
+    from lightspec_core.engine.build import served_context
     from lightspec_core.engine.kv_budget import with_kv_budget
     from lightspec_core.models.llama import LlamaConfig
     from lightspec_core.stages.memory import keep_freed_memory

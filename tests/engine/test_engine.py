@@ -8,7 +8,7 @@ import pytest
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from lightspec_core.corpus import stdlib_files
-from lightspec_core.engine.engine import build_local_executor
+from lightspec_core.engine.build import build_local_executor
 from lightspec_core.spec.acceptance import ConfidenceStats
 from lightspec_core.spec.calibrate import profile_propose, profile_verify
 from lightspec_core.spec.policy import Decision

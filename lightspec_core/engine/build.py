@@ -1,0 +1,59 @@
+"""What an engine is built from: its stages' runners in this process, its proposer, and the checks
+that a configuration's checkpoints fit together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import EngineConfig, SpecMethod, resolve_dirs
+from ..models.llama import LlamaConfig
+from ..models.tokenizer import TokenizerInfo
+from ..spec.draft import DraftModelProposer
+from ..spec.mtp import MTPProposer
+from ..spec.ngram import NgramProposer
+from ..spec.proposer import NoProposer, Proposer
+from ..stages.executor import Executor, LocalExecutor
+from ..stages.mtp import MTPRunner
+from ..stages.target import ModelRunner
+
+
+def served_context(cfg: EngineConfig, target_dir: str) -> int:
+    """The longest sequence an engine of this configuration serves with this target."""
+    return cfg.context_length(LlamaConfig.from_dir(target_dir).max_position_embeddings)
+
+
+def check_same_vocabulary(target_dir: str, draft_dir: str) -> None:
+    """A draft model proposes token ids the target verifies: both must mean the same by each id."""
+    target, draft = LlamaConfig.from_dir(target_dir), LlamaConfig.from_dir(draft_dir)
+    same = target.vocab_size == draft.vocab_size
+    if same and (Path(draft_dir) / "tokenizer.json").is_file():
+        same = TokenizerInfo.from_dir(draft_dir).tokenizer.get_vocab() == TokenizerInfo.from_dir(
+            target_dir).tokenizer.get_vocab()
+    if not same:
+        raise ValueError(f"draft_dir={draft_dir!r}: the draft model's vocabulary differs from the target's "
+                         f"({draft.vocab_size} against {target.vocab_size} ids, or other tokens)")
+
+
+def build_local_executor(cfg: EngineConfig) -> LocalExecutor:
+    target, mtp, draft = resolve_dirs(cfg)
+    ctx = served_context(cfg, target)
+    runners: dict[str, object] = {}
+    if cfg.method is SpecMethod.MTP:
+        runners["mtp"] = MTPRunner(target, mtp, cfg.device, max_context=ctx)
+    heads = runners["mtp"] if cfg.fused_mtp else None  # stateless: shared safely
+    runners["target"] = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, cfg.device, heads=heads,
+                                    dtype=cfg.dtype, max_context=ctx)
+    if cfg.method is SpecMethod.DRAFT:
+        runners["draft"] = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, cfg.device, dtype=cfg.dtype,
+                                       max_context=ctx)
+    return LocalExecutor(runners, threaded=cfg.pipeline_depth > 1)
+
+
+def make_proposer(cfg: EngineConfig, executor: Executor, k: int) -> Proposer:
+    if k == 0 or cfg.method is SpecMethod.NONE:
+        return NoProposer()
+    if cfg.method is SpecMethod.MTP:
+        return MTPProposer(executor, k, fused=cfg.fused_mtp, confidence_stop=cfg.confidence_floors)
+    if cfg.method is SpecMethod.DRAFT:
+        return DraftModelProposer(executor)
+    return NgramProposer(cfg.ngram_max, cfg.ngram_min)
