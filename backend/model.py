@@ -129,7 +129,6 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     from lightspec_backend.stage import StageModel
 
     from lightspec_core.config import resolve_dirs
-    from lightspec_core.engine.build import served_context
     from lightspec_core.engine.kv_budget import with_kv_budget
     from lightspec_core.models.llama import LlamaConfig
     from lightspec_core.stages.memory import keep_freed_memory
@@ -150,9 +149,9 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     target, mtp, draft = resolve_dirs(cfg)
     # the pool's blocks come from the target's geometry in every process; the target stage, which
     # holds the weights and the pool, checks that they fit
-    cfg = with_kv_budget(cfg, LlamaConfig.from_dir(target), target, allow_fraction=False,
-                         check_fit=config.role is Role.TARGET)
-    ctx = served_context(cfg, target)  # the longest sequence served, which the model must compute exactly
+    model = LlamaConfig.from_dir(target)
+    cfg = with_kv_budget(cfg, model, target, allow_fraction=False, check_fit=config.role is Role.TARGET)
+    ctx = cfg.context_length(model.max_position_embeddings)  # served: the model must compute it exactly
     if config.role is Role.MTP:
         runner = MTPRunner(target, mtp, device, max_context=ctx)
     elif config.role is Role.TARGET:
@@ -163,20 +162,18 @@ def _stage(args: dict, config) -> _StageModelAdapter:
         runner = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, device, dtype=cfg.dtype, max_context=ctx)
     stage = StageModel(config.role, runner, pb_utils, threads=threads, set_threads=torch.set_num_threads)
     if cfg.speculative and cfg.policy_kind == "dynamic" and cfg.profile_stages:
-        _take_profile(stage, config.role, cfg, target)
+        _take_profile(stage, config.role, cfg, model)
     return _StageModelAdapter(stage)
 
 
-def _take_profile(stage, role: Role, cfg, target_dir: str) -> None:
+def _take_profile(stage, role: Role, cfg, model) -> None:
     """The dynamic policy's profile of this stage, taken before the server reports ready (the
     orchestrator's engine fetches it; a stage the engine will not ask, such as the draft stage of
     an MTP repository, takes none)."""
-    from lightspec_core.models.llama import LlamaConfig
     from lightspec_core.spec.calibrate import PROPOSER_STAGE, ProfileSpec
 
     if role is not Role.TARGET and PROPOSER_STAGE.get(cfg.method) != role.value:
         return
-    model = LlamaConfig.from_dir(target_dir)
     t0 = time.perf_counter()
     try:
         stage.take_profile(ProfileSpec.for_engine(cfg, model, cfg.context_length(model.max_position_embeddings)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from ..config import EngineConfig, SpecMethod, resolve_dirs
 from ..models.llama import LlamaConfig
 from ..models.tokenizer import TokenizerInfo
@@ -22,21 +24,23 @@ def served_context(cfg: EngineConfig, target_dir: str) -> int:
     return cfg.context_length(LlamaConfig.from_dir(target_dir).max_position_embeddings)
 
 
-def check_same_vocabulary(target_dir: str, draft_dir: str) -> None:
+def check_same_vocabulary(target: LlamaConfig, target_tok: TokenizerInfo, draft_dir: str) -> None:
     """A draft model proposes token ids the target verifies: both must mean the same by each id."""
-    target, draft = LlamaConfig.from_dir(target_dir), LlamaConfig.from_dir(draft_dir)
+    draft = LlamaConfig.from_dir(draft_dir)
     same = target.vocab_size == draft.vocab_size
     if same and (Path(draft_dir) / "tokenizer.json").is_file():
-        same = TokenizerInfo.from_dir(draft_dir).tokenizer.get_vocab() == TokenizerInfo.from_dir(
-            target_dir).tokenizer.get_vocab()
+        draft_vocab = Tokenizer.from_file(str(Path(draft_dir) / "tokenizer.json")).get_vocab()
+        same = draft_vocab == target_tok.tokenizer.get_vocab()
     if not same:
         raise ValueError(f"draft_dir={draft_dir!r}: the draft model's vocabulary differs from the target's "
                          f"({draft.vocab_size} against {target.vocab_size} ids, or other tokens)")
 
 
-def build_local_executor(cfg: EngineConfig) -> LocalExecutor:
+def build_local_executor(cfg: EngineConfig, max_context: int | None = None) -> LocalExecutor:
+    """The stages' runners in this process; ``max_context``: the served context (default: read
+    from the target's config)."""
     target, mtp, draft = resolve_dirs(cfg)
-    ctx = served_context(cfg, target)
+    ctx = max_context or served_context(cfg, target)
     runners: dict[str, object] = {}
     if cfg.method is SpecMethod.MTP:
         runners["mtp"] = MTPRunner(target, mtp, cfg.device, max_context=ctx)

@@ -61,17 +61,17 @@ class LLMEngine:
             torch.set_num_threads(cfg.num_threads)
         target_dir, _, draft_dir = resolve_dirs(cfg)
         self.model_config = LlamaConfig.from_dir(target_dir)
+        self.tok = TokenizerInfo.from_dir(target_dir)
+        self.tokenizer = self.tok.tokenizer
         if cfg.method is SpecMethod.DRAFT:
-            check_same_vocabulary(target_dir, draft_dir)
+            check_same_vocabulary(self.model_config, self.tok, draft_dir)
         # in process the pool is here; a server's stages check their own (see kv_budget)
         self.config = cfg = with_kv_budget(cfg, self.model_config, target_dir, allow_fraction=executor is None,
                                            check_fit=executor is None)
-        self.tok = TokenizerInfo.from_dir(target_dir)
-        self.tokenizer = self.tok.tokenizer
         self.max_model_len = cfg.context_length(self.model_config.max_position_embeddings)
         self.model_config.check_context(self.max_model_len)  # refused here, naming the field, before any load
         self._eos = frozenset(self.model_config.eos_token_ids)
-        self.executor = executor if executor is not None else build_local_executor(cfg)
+        self.executor = executor if executor is not None else build_local_executor(cfg, self.max_model_len)
         k = cfg.max_draft_tokens if cfg.speculative else 0
         self.stats = RuntimeStats(max(k, 1))
         self.acceptance = AcceptanceStats(max(k, 1))

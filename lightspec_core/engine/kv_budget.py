@@ -60,7 +60,7 @@ def with_kv_budget(cfg: EngineConfig, model, model_dir: str | Path, *, allow_fra
     Triton model passes False, since every process of a server must size the same pool and free
     memory measured in each one does not give that."""
     per_block = block_bytes(cfg, model)
-    weights = weights_bytes(model_dir, cfg.dtype)
+    weights = weights_bytes(model_dir, cfg.dtype) if check_fit or cfg.kv_cache_memory else 0
     name, value = "num_kv_blocks", cfg.num_kv_blocks
     if cfg.kv_cache_memory:
         name, value = "kv_cache_memory", cfg.kv_cache_memory

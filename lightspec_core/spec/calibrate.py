@@ -191,19 +191,19 @@ def _fused_k(spec: ProfileSpec) -> int:
     return spec.max_k if spec.fused_mtp and spec.method is SpecMethod.MTP else 0
 
 
-def _geometry(spec: ProfileSpec) -> tuple[int, int, list[int]]:
-    """Contexts (a typical one and a longer one, inside the model and the pool) and the block table
-    every synthetic request shares."""
+def _geometry(spec: ProfileSpec) -> tuple[int, int, list[int], int]:
+    """Contexts (a typical one and a longer one, inside the model and the pool), the block table
+    every synthetic request shares, and the room a sequence has (positions less K + 1)."""
     room = min(spec.max_model_len, spec.num_blocks * spec.block_size) - spec.max_k - 1
     ctx0 = max(1, min(256, room // 2))
     ctx1 = max(ctx0, min(2 * ctx0, room))
-    return ctx0, ctx1, list(range(-(-(ctx1 + spec.max_k + 1) // spec.block_size)))
+    return ctx0, ctx1, list(range(-(-(ctx1 + spec.max_k + 1) // spec.block_size))), room
 
 
 def profile_verify(executor: Executor, spec: ProfileSpec, stages: set[str] = frozenset({"target"}),
                    clock: Callable[[], float] = time.perf_counter) -> VerifyCost:
     """The target stage's cost model (see ``VerifyCost``), timed through ``executor``."""
-    ctx0, ctx1, table = _geometry(spec)
+    ctx0, ctx1, table, room = _geometry(spec)
     timer = _timer(executor, spec, table, ctx0, clock, set(stages))
     big_k, fused = spec.max_k, _fused_k(spec)
     hidden = spec.method is SpecMethod.MTP and not fused
@@ -228,8 +228,7 @@ def profile_verify(executor: Executor, spec: ProfileSpec, stages: set[str] = fro
     # the engine passes the context apart: requests x (longest position + 1), which drafts lengthen
     fixed = [f - per_context * b * (ctx0 + 1) for f, b in zip(fixed, sizes)]
     per_draft = _per_draft(drafted, per_context)
-    n_pre = max(1, min(256, spec.max_num_batched_tokens, min(spec.max_model_len, spec.num_blocks * spec.block_size)
-                       - big_k - 1))
+    n_pre = max(1, min(256, spec.max_num_batched_tokens, room))
     t_pre = timer("target", _prefill_call(n_pre, table))
     per_prefill = max(t_pre - fixed[0] - per_context * n_pre, 0.0) / n_pre
     # a sampled request's rows: logits returned by the stage, and the engine's target distribution
@@ -258,7 +257,7 @@ def profile_propose(executor: Executor, spec: ProfileSpec, stages: set[str] = fr
     proposer = PROPOSER_STAGE.get(spec.method) if spec.max_k >= 1 else None
     if proposer is None:
         return ProposeCost(fixed=1e-5, per_draft=1e-5, per_depth=0.0)
-    ctx0, _, table = _geometry(spec)
+    ctx0, _, table, _ = _geometry(spec)
     timer = _timer(executor, spec, table, ctx0, clock, set(stages) | {proposer})
     big_k = spec.max_k
     rows = []

@@ -116,7 +116,7 @@ class DynamicPolicy:
         ks, rate, costs = self._allocate(reqs, base_tokens, token_budget, context, prefill, requests)
         if any(ks):
             self._idle = 0
-            return Decision(ks, [rate * c for c in costs] if self.floors else None)
+            return Decision(ks, [rate * float(c) for c in costs] if self.floors else None)
         self._idle += 1
         if self.probe_every and self._idle >= self.probe_every:
             self._idle = 0
@@ -129,13 +129,20 @@ class DynamicPolicy:
         """(k per request, the chosen step's goodput in tokens/s, seconds per draft per request)."""
         b = len(reqs)
         room = token_budget - base_tokens
-        lims = [max(int(lim), 0) for lim in reqs.limits]
-        if not lims or max(lims) == 0 or room <= 0:
+        # each in the batch's own form: plain lists for a few requests, arrays for many (see PolicyBatch)
+        if reqs.small:
+            lims = [max(0, lim) for lim in reqs.limits]
+        else:
+            lims = np.clip(reqs.limits, 0, reqs.alphas.shape[1])
+        if not b or max(lims) == 0 or room <= 0:
             return [0] * b, 0.0, []
         cost = self.cost
         t0 = cost.step_seconds(requests, 0, context, prefill=prefill)
         slot, extra = cost.per_slot(requests), cost.sampled_extra
-        costs = [slot + extra if smp else slot for smp in reqs.sampled]  # seconds per draft, per request
+        if reqs.small:  # seconds per draft, per request
+            costs = [slot + extra if smp else slot for smp in reqs.sampled]
+        else:
+            costs = np.where(reqs.sampled, slot + extra, slot)
         terms = (float(base_tokens - prefill), t0, t0 + cost.propose_fixed, cost.per_depth)
         fn = _allocate_lists if reqs.small else _allocate_arrays
         ks, rate = fn(reqs.alphas, lims, room, costs, *terms)
@@ -176,7 +183,7 @@ def _allocate_lists(alphas, lims: list[int], room: int, costs: list[float], base
     return ks, rate
 
 
-def _allocate_arrays(alphas: np.ndarray, lims: list[int], room: int, costs: list[float], base: float, t0: float,
+def _allocate_arrays(alphas: np.ndarray, lims: np.ndarray, room: int, costs: np.ndarray, base: float, t0: float,
                      fixed: float, per_depth: float) -> tuple[list[int], float]:
     """:func:`_allocate_lists` vectorised over every depth cap at once (many requests)."""
     b = len(lims)
