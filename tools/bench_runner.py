@@ -1,6 +1,6 @@
 """Step cost of the target runner: B requests x q new tokens each (decode q=1, verify q=1+k).
 
-python tools/bench_runner.py [--model-dir DIR] [--batches 1 8 32 64] [--tokens 1 5]
+python tools/bench_runner.py [--model-dir DIR] [--batches 1 8 32 64] [--tokens 1 5] [--threads N]
 
 Each request has ``--context`` tokens already in the paged KV pool; the step feeds q tokens per
 request and returns outputs at all of them (as a verification step does). Prints the median of
@@ -13,6 +13,7 @@ import argparse
 import time
 
 import numpy as np
+import torch
 
 from lightspec_core.config import default_model_dir
 from lightspec_core.stages.contract import ModelCall
@@ -61,10 +62,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     a = ap.parse_args(argv)
     keep_freed_memory()  # as the server's stage processes do
-    res = measure(a.model_dir, a.batches, a.tokens, a.context, a.repeats)
+    threads = torch.get_num_threads()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        res = measure(a.model_dir, a.batches, a.tokens, a.context, a.repeats)
+    finally:
+        torch.set_num_threads(threads)  # callers in the same process (tests) keep their setting
     q0 = a.tokens[0]
+    print(f"threads: {a.threads or threads}")
     print("| batch | " + " | ".join(f"{q} tok/req (ms)" for q in a.tokens) + f" | ratio {a.tokens[-1]}/{q0} |")
     print("|---|" + "---|" * (len(a.tokens) + 1))
     for b in a.batches:

@@ -16,7 +16,7 @@ loads in ``transformers`` and vice versa.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 from .checkpoint import read_weights, resolve_dtype, write_checkpoint
 from .hf_config import LlamaConfig
+from .paged import AttnGroup, PagedBatch, attend_pool, attend_sdpa, bag_rows, reads_in_place, row_mask
 from .rope import Rope
 
 
@@ -54,11 +55,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.hd, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_projections
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [..., T, H] -> rotated q [..., T, heads, hd], rotated k and v [..., T, kv_heads, hd]
         (cos, sin from :meth:`Rope.tables`)."""
         lead = h.shape[:-1]
+        if self.fused is not None:
+            n_q, n_kv = self.n_heads * self.hd, self.n_kv * self.hd
+            q, k, v = F.linear(h, *self.fused).split([n_q, n_kv, n_kv], -1)
+            q, k, v = (z.view(*lead, -1, self.hd) for z in (q, k, v))
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return Rope.rotate(q, cos, sin), Rope.rotate(k, cos, sin), v
         q = self.q_proj(h).view(*lead, self.n_heads, self.hd)
         k = self.k_proj(h).view(*lead, self.n_kv, self.hd)
         if self.q_norm is not None:
@@ -73,9 +82,28 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see LlamaModel.fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            gate, up = F.linear(x, *self.fused).chunk(2, -1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) stacking ``linears``' output rows; each layer's own parameters become
+    views of its rows, so the model holds the weights once."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -93,108 +121,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-@dataclass
-class AttnGroup:
-    """Requests of one step whose queries are padded to a common length Q for attention."""
-
-    token_rows: torch.Tensor  # int64 [Ng]  rows of the packed batch (the step's new tokens) in this group
-    query_index: torch.Tensor  # int64 [Ng]  where each of them sits in the padded [Bg*Q] query grid
-    context_slots: torch.Tensor  # int64 [Bg, C] flat KV slot of context position c of the group's request b
-    attn_mask: torch.Tensor  # bool [Bg, 1, Q, C] True where a query may attend to a key
-    num_requests: int
-    max_query: int
-
-
-def _group_key(q: int) -> int:
-    """Decoding requests (1 token), verifying requests (a token and up to 7 drafts), then prompt
-    chunks by powers of two."""
-    return 0 if q == 1 else 1 if q <= 8 else (q - 1).bit_length()
-
-
-def _attn_group(rows: torch.Tensor, qlens: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor,
-                bt: torch.Tensor, block_size: int, dev: torch.device) -> AttnGroup:
-    """The :class:`AttnGroup` of the requests ``rows`` [Bg] of a step, built on the CPU, moved to ``dev``."""
-    glens = qlens[rows]
-    max_q = int(glens.max())
-    local = torch.repeat_interleave(torch.arange(len(rows)), glens)
-    gstarts = torch.cumsum(glens, 0) - glens
-    offset = torch.arange(len(local)) - gstarts[local]
-    token_rows = starts[rows][local] + offset
-    query_index = local * max_q + offset
-    gpos = positions[token_rows]
-    ctx_lens = gpos[gstarts + glens - 1] + 1  # [Bg]
-    max_c = int(ctx_lens.max())
-    c = torch.arange(max_c)
-    gbt = bt[rows]
-    blk_idx = (c // block_size).clamp(max=gbt.shape[1] - 1)
-    context_slots = gbt[:, blk_idx] * block_size + (c % block_size)  # [Bg, C]
-    q_pos = torch.full((len(rows) * max_q,), -1, dtype=torch.int64)
-    q_pos[query_index] = gpos
-    q_pos = q_pos.view(len(rows), max_q)
-    # key c visible to a query at position p iff c <= p; padded queries (p = -1) see nothing,
-    # so give them key 0 to keep softmax finite (their output is discarded).
-    mask = c.view(1, 1, max_c) <= q_pos.unsqueeze(-1)
-    mask[:, :, 0] |= q_pos < 0
-    return AttnGroup(token_rows.to(dev), query_index.to(dev), context_slots.to(dev), mask.unsqueeze(1).to(dev),
-                     len(rows), max_q)
-
-
-@dataclass
-class PagedBatch:
-    """Index tensors of one packed step, built once per step and shared by all layers.
-
-    N = total new tokens, B = requests. Attention runs per :class:`AttnGroup`: requests padded to
-    their group's longest query and longest context. One padded grid for the whole step would make
-    every decoding request pay for the longest query in it, a 5-token verification or a 256-token
-    prompt chunk, in attention work that grows with Q x C: a dynamic policy that drafts deep for
-    some requests and not at all for others, or any step that carries a prompt chunk, paid for the
-    deepest request on every row.
-    """
-
-    input_ids: torch.Tensor  # int64 [N]
-    positions: torch.Tensor  # int64 [N]
-    slot_mapping: torch.Tensor  # int64 [N]   flat KV slot written by each new token
-    groups: list[AttnGroup]
-    sample_indices: torch.Tensor  # int64 [M]   rows of the packed batch whose outputs are returned
-    num_requests: int
-
-    @classmethod
-    def build(
-        cls,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        query_lens: list[int],
-        block_tables: torch.Tensor,
-        block_size: int,
-        sample_indices: torch.Tensor,
-    ) -> PagedBatch:
-        """Build the index tensors. ``positions`` of a request's new tokens must be consecutive;
-        its context is every position up to its last new token (earlier ones already in the pool).
-
-        The index arithmetic is a few dozen tiny integer ops: it runs on the CPU (on a GPU each would
-        be a kernel launch), and only the finished tensors move to ``input_ids``' device."""
-        dev = input_ids.device
-        positions_cpu = positions.to("cpu", torch.int64)
-        bt = block_tables.to("cpu", torch.int64)
-        qlens = torch.tensor(query_lens, dtype=torch.int64)
-        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
-        slot_mapping = bt[req_of_token, positions_cpu // block_size] * block_size + positions_cpu % block_size
-        by_key: dict[int, list[int]] = {}
-        for r, q in enumerate(query_lens):
-            by_key.setdefault(_group_key(q), []).append(r)
-        starts = torch.cumsum(qlens, 0) - qlens
-        groups = [_attn_group(torch.tensor(members, dtype=torch.int64), qlens, starts, positions_cpu, bt, block_size,
-                              dev) for members in by_key.values()]
-        return cls(
-            input_ids=input_ids,
-            positions=positions.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            groups=groups,
-            sample_indices=sample_indices.to(dev),
-            num_requests=len(query_lens),
-        )
 
 
 class LlamaModel(nn.Module):
@@ -229,54 +155,72 @@ class LlamaModel(nn.Module):
 
     # ---- engine path ---------------------------------------------------------------------------
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None):
-        """KV pool [layers, 2, num_blocks * block_size, kv_heads, head_dim], in the model's dtype
-        unless ``dtype`` is given."""
+        """KV pool [layers, 2, num_blocks, kv_heads, block_size * head_dim] (tiles as models/paged.py
+        lays them out), in the model's dtype unless ``dtype`` is given."""
         cfg = self.config
-        return torch.zeros(cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
-                           dtype=dtype or self.lm_head.weight.dtype, device=device)
+        shape = (cfg.num_hidden_layers, 2, num_blocks, cfg.num_key_value_heads, block_size * cfg.head_dim)
+        return torch.zeros(shape, dtype=dtype or self.lm_head.weight.dtype, device=device)
 
     @torch.inference_mode()
     def forward_paged(self, batch: PagedBatch, kv: torch.Tensor) -> torch.Tensor:
         """One packed step. Returns the final normed hidden states at ``batch.sample_indices`` [M, H].
 
-        New K/V are written first, then each request attends over its whole context gathered from
-        the pool; a rolled-back (rejected) position is simply overwritten by a later step, and keys
-        beyond a query's own position are masked, so stale slots are never read.
+        New K/V are written first, then each request attends over its whole context in the pool;
+        a rolled-back (rejected) position is simply overwritten by a later step, and keys beyond a
+        query's own position are masked, so stale slots are never read.
         """
-        n = batch.input_ids.shape[0]
+        a0 = self.model.layers[0].self_attn
+        hd, group = a0.hd, a0.n_heads // a0.n_kv
+        block_size = kv.shape[-1] // hd
+        # per step, not per layer: each group's pool rows and mask in the layout its attention reads
+        plans = [
+            (bag_rows(g, group, block_size, hd), row_mask(g.mask, a0.n_kv, group, kv.dtype))
+            if reads_in_place(g, a0.n_heads, block_size, hd)
+            else (None, g.mask)
+            for g in batch.groups
+        ]
         x = self.model.embed_tokens(batch.input_ids)  # [N, H]
         cos, sin = self.rope.tables(batch.positions)
-        single = len(batch.groups) == 1
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = a.qkv(h, cos, sin)
-            kv[li, 0].index_copy_(0, batch.slot_mapping, k)
-            kv[li, 1].index_copy_(0, batch.slot_mapping, v)
-            o = q.new_empty(n, a.n_heads * a.hd) if not single else None
-            for g in batch.groups:
-                b, q_len = g.num_requests, g.max_query
-                # one index_select over the flattened slots: an advanced-indexing gather of the same
-                # rows took twice as long (64 requests x 305 positions: 2.2 against 1.1 ms per tensor)
-                ctx_shape = (b, g.context_slots.shape[1], a.n_kv, a.hd)
-                slots = g.context_slots.view(-1)
-                kbuf, vbuf = self._gather_buffers(slots.numel() * a.n_kv * a.hd, kv)
-                keys = torch.index_select(kv[li, 0], 0, slots, out=kbuf.view(-1, a.n_kv, a.hd))
-                vals = torch.index_select(kv[li, 1], 0, slots, out=vbuf.view(-1, a.n_kv, a.hd))
-                keys = keys.view(ctx_shape).transpose(1, 2)  # [Bg, kvh, C, hd]
-                vals = vals.view(ctx_shape).transpose(1, 2)
-                qp = q.new_zeros(b * q_len, a.n_heads, a.hd)
-                qp[g.query_index] = q if single else q[g.token_rows]
-                qp = qp.view(b, q_len, a.n_heads, a.hd).transpose(1, 2)  # [Bg, h, Q, hd]
-                og = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=g.attn_mask, enable_gqa=True)
-                og = og.transpose(1, 2).reshape(b * q_len, -1)[g.query_index]  # [Ng, h*hd]
-                if single:
-                    o = og
-                else:
-                    o[g.token_rows] = og
-            x = x + a.o_proj(o)
+            q, k, v = a.qkv(layer.input_layernorm(x), cos, sin)
+            kv[li, 0].view(-1).index_copy_(0, batch.key_elements, k.reshape(-1))
+            kv[li, 1].view(-1, hd).index_copy_(0, batch.value_rows, v.reshape(-1, hd))
+            x = x + a.o_proj(self._attention(batch, plans, q, kv[li]))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x[batch.sample_indices])
+
+    def _attention(self, batch: PagedBatch, plans: list, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [N, heads, hd] of the step's tokens, ``kv`` one layer's pool -> attention output [N, heads*hd]."""
+        g = batch.groups[0]
+        if len(batch.groups) == 1 and g.num_requests * g.max_query == q.shape[0]:  # nothing padded, nothing to scatter
+            qg = q.view(g.num_requests, g.max_query, *q.shape[1:])
+            return self._attend_group(g, plans[0], qg, kv).view(q.shape[0], -1)
+        o = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for g, plan in zip(batch.groups, plans):
+            qp = q.new_zeros(g.num_requests * g.max_query, *q.shape[1:])
+            qp[g.query_index] = q[g.token_rows]
+            og = self._attend_group(g, plan, qp.view(g.num_requests, g.max_query, *q.shape[1:]), kv)
+            o[g.token_rows] = og.view(-1, o.shape[1])[g.query_index]
+        return o
+
+    def _attend_group(self, g: AttnGroup, plan: tuple, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [Bg, Q, heads, hd] -> [Bg, Q, heads*hd] over the group's context in ``kv`` [2, blocks,
+        kv_heads, block_size*hd]: read in place for few query rows, else gathered into buffers the
+        model keeps (see :meth:`_gather_buffers`) for the fused kernel."""
+        rows, mask = plan
+        if rows is not None:
+            return attend_pool(q, kv[0], kv[1], rows, mask)
+        kvh, tile = kv.shape[2:]
+        hd = q.shape[-1]
+        kbuf, vbuf = self._gather_buffers(g.tile_rows.numel() * tile, kv)
+        tiles = kv.view(2, -1, tile)
+        keys = torch.index_select(tiles[0], 0, g.tile_rows, out=kbuf.view(-1, tile))
+        vals = torch.index_select(tiles[1], 0, g.tile_rows, out=vbuf.view(-1, tile))
+        # key tiles are [hd, block_size]: the fused kernel wants [P, hd] rows (one copy, chunks only)
+        keys = keys.view(g.num_requests, kvh, -1, hd, tile // hd).transpose(-1, -2)
+        keys = keys.reshape(g.num_requests, kvh, g.padded_context, hd)
+        return attend_sdpa(q, keys, vals.view(g.num_requests, kvh, g.padded_context, hd), mask)
 
     def _gather_buffers(self, numel: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat buffers of ``numel`` elements for the context keys and values a layer gathers
@@ -284,8 +228,8 @@ class LlamaModel(nn.Module):
 
         A fresh tensor per gather cost more than the gather: at 64 requests x 320 positions each is
         10 MB, and on a CPU memory of that size comes from the kernel page by page, zeroed, on every
-        allocation (1.7 ms per gather with one thread inside a forward). One step uses the buffers
-        layer after layer, and a model's steps never overlap (a runner executes calls one by one)."""
+        allocation. One step uses the buffers layer after layer, and a model's steps never overlap
+        (a runner executes calls one by one)."""
         bufs = self._gather_bufs
         if bufs is None or bufs[0].numel() < numel or bufs[0].device != kv.device or bufs[0].dtype != kv.dtype:
             bufs = tuple(torch.empty(numel, dtype=kv.dtype, device=kv.device) for _ in range(2))
@@ -295,22 +239,33 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def fuse_projections(self) -> None:
+        """Serve q, k, v and gate, up each through one matrix product (one pass over the activations
+        instead of three or two; the same products, row for row). Call once the model sits on its
+        device: ``.to`` afterwards would copy the views apart."""
+        for layer in self.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            a.fused = _fuse(a.q_proj, a.k_proj, a.v_proj)
+            mlp.fused = _fuse(mlp.gate_proj, mlp.up_proj)
+
     # ---- checkpoint I/O ------------------------------------------------------------------------
     def _rope(self, max_context: int | None) -> Rope:
         cfg = self.config
-        return Rope(cfg.head_dim, cfg.served_context(max_context), cfg.rope_theta, cfg.rope_scaling,
-                    cfg.max_position_embeddings)
+        return Rope(
+            cfg.head_dim, cfg.served_context(max_context), cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
 
     def save(self, model_dir: str | Path) -> None:
-        state = self.state_dict()
+        state = {k: v.clone() for k, v in self.state_dict().items()}  # fused views share storage
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         dtype = str(self.lm_head.weight.dtype).removeprefix("torch.")
         write_checkpoint(model_dir, state, self.config.to_hf_dict(dtype))
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
-             max_context: int | None = None) -> LlamaModel:
+    def load(
+        cls, model_dir: str | Path, dtype: str | torch.dtype = "float32", max_context: int | None = None
+    ) -> LlamaModel:
         """A checkpoint of any family :class:`LlamaConfig` implements, its weights converted to
         ``dtype`` (float32, bfloat16 or float16). ``max_context``: the longest sequence the engine
         serves (``EngineConfig.context_length``; None: the model's ``max_position_embeddings``),

@@ -31,11 +31,25 @@ ROPE_KEYS: dict[str, frozenset[str]] = {
     "linear": frozenset({"factor"}),
     "dynamic": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
-    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
-                       "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
 }
-_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": (),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
 
 
 def refused(field: str, value, why: str) -> ValueError:
@@ -66,10 +80,15 @@ class RopeScaling:
 
     def check_context(self, max_context: int, max_position_embeddings: int) -> None:
         if self.rope_type == "dynamic" and max_context > max_position_embeddings:
-            raise refused("rope_scaling.rope_type", "dynamic", (
-                f"transformers recomputes dynamic NTK frequencies from the running sequence's length past "
-                f"max_position_embeddings={max_position_embeddings}, and {max_context} tokens would be served; "
-                f"serve at most max_position_embeddings tokens"))
+            raise refused(
+                "rope_scaling.rope_type",
+                "dynamic",
+                (
+                    f"transformers recomputes dynamic NTK frequencies from the running sequence's length past "
+                    f"max_position_embeddings={max_position_embeddings}, and {max_context} tokens would be served; "
+                    f"serve at most max_position_embeddings tokens"
+                ),
+            )
 
 
 def parse_rope(raw: dict, max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
@@ -79,8 +98,10 @@ def parse_rope(raw: dict, max_position_embeddings: int) -> tuple[float, RopeScal
     theta = float(params.pop("rope_theta", raw.get("rope_theta", DEFAULT_THETA)))
     rope_type = params.pop("rope_type", None) or params.get("type") or "default"
     params.pop("type", None)
-    for where, value in (("partial_rotary_factor", raw.get("partial_rotary_factor")),
-                         (f"{source}.partial_rotary_factor", params.pop("partial_rotary_factor", None))):
+    for where, value in (
+        ("partial_rotary_factor", raw.get("partial_rotary_factor")),
+        (f"{source}.partial_rotary_factor", params.pop("partial_rotary_factor", None)),
+    ):
         if value not in (None, 1, 1.0):
             raise refused(where, value, "rotary embedding of part of each head is not implemented")
     if rope_type not in ROPE_KEYS:
@@ -97,28 +118,30 @@ def parse_rope(raw: dict, max_position_embeddings: int) -> tuple[float, RopeScal
         # a top-level original_max_position_embeddings wins over the dict's (transformers' standardize_rope_params)
         top = raw.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = int(
-            top or params.get("original_max_position_embeddings") or max_position_embeddings)
+            top or params.get("original_max_position_embeddings") or max_position_embeddings
+        )
         if rope_type == "yarn" and params.get("factor") is None:
             params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
     return theta, RopeScaling(rope_type, **params)
 
 
-def rope_frequencies(theta: float, scaling: RopeScaling | None, head_dim: int,
-                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(
+    theta: float, scaling: RopeScaling | None, head_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies fp32 [head_dim / 2] and the factor cos and sin are scaled by."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
     if scaling is None:
-        return 1.0 / (theta ** exponents), 1.0
+        return 1.0 / (theta**exponents), 1.0
     s, kind = scaling, scaling.rope_type
     if kind == "linear":
-        return 1.0 / (theta ** exponents) / s.factor, 1.0
+        return 1.0 / (theta**exponents) / s.factor, 1.0
     if kind == "dynamic":
         # transformers' value for any sequence of at most max_position_embeddings tokens
         seq_len = max_position_embeddings
         base = theta * ((s.factor * seq_len / max_position_embeddings) - (s.factor - 1)) ** (head_dim / (head_dim - 2))
-        return 1.0 / (base ** exponents), 1.0
+        return 1.0 / (base**exponents), 1.0
     if kind == "llama3":
-        return _llama3(1.0 / (theta ** exponents), s), 1.0
+        return _llama3(1.0 / (theta**exponents), s), 1.0
     assert kind == "yarn", kind
     return _yarn(theta, exponents, s, head_dim)
 
@@ -161,7 +184,7 @@ def _yarn(theta: float, exponents: torch.Tensor, s: RopeScaling, dim: int) -> tu
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** exponents
+    pos_freqs = theta**exponents
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, attention
@@ -171,8 +194,14 @@ class Rope(nn.Module):
     """cos/sin tables for positions 0..num_positions-1, in the Hugging Face (rotate-half,
     non-interleaved) convention, computed in fp32 (they follow the model's dtype on ``.to``)."""
 
-    def __init__(self, head_dim: int, num_positions: int, theta: float = DEFAULT_THETA,
-                 scaling: RopeScaling | None = None, max_position_embeddings: int | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        num_positions: int,
+        theta: float = DEFAULT_THETA,
+        scaling: RopeScaling | None = None,
+        max_position_embeddings: int | None = None,
+    ):
         super().__init__()
         inv_freq, attention = rope_frequencies(theta, scaling, head_dim, max_position_embeddings or num_positions)
         freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)

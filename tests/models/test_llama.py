@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightspec_core.models.llama import LlamaConfig, LlamaModel, PagedBatch
+from lightspec_core.models.llama import LlamaConfig, LlamaModel
+from lightspec_core.models.paged import PagedBatch
 from lightspec_core.models.rope import RopeScaling
 from lightspec_core.stages.contract import ModelCall
 from lightspec_core.stages.target import ModelRunner
@@ -87,35 +88,67 @@ def test_the_comparison_notices_a_missing_bias_or_a_wrong_rope(tmp_path):
 
 def test_bfloat16_runner_is_as_close_to_transformers_bfloat16_as_transformers_is_to_itself_in_fp32(tmp_path):
     """``dtype="bfloat16"``: weights and KV pool in bf16, norms in fp32 as transformers computes them;
-    its logits are within twice transformers' own bf16 error of the fp32 logits."""
+    its logits, of a prompt chunk (gathered context) and of decoding steps after it (read from the
+    pool in place), are within twice transformers' own bf16 error of the fp32 logits."""
     from transformers import AutoModelForCausalLM
 
     model_dir = save_hf_checkpoint(tmp_path / "q3", *CASES["qwen3"][:2])
-    ids = torch.tensor(np.random.default_rng(2).integers(3, 256, 40))
+    ids = torch.tensor(np.random.default_rng(2).integers(3, 256, 43))
     exact = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model = LlamaModel.load(model_dir, dtype="bfloat16")
     assert model.lm_head.weight.dtype == torch.bfloat16
     kv = model.new_kv_cache(8, 8)
     assert kv.dtype == torch.bfloat16
-    batch = PagedBatch.build(ids, torch.arange(40), [40], torch.arange(8, dtype=torch.int32).view(1, 8), 8,
-                             torch.arange(40))
+    table, heads, hd = (
+        torch.arange(8, dtype=torch.int32).view(1, 8),
+        model.config.num_key_value_heads,
+        model.config.head_dim,
+    )
+    steps = [torch.arange(40), torch.tensor([40]), torch.tensor([41]), torch.tensor([42])]
     with torch.no_grad():
-        ours = model.logits(model.forward_paged(batch, kv)).float()
+        ours = torch.cat([
+            model.logits(model.forward_paged(
+                PagedBatch.build(ids[pos], pos, [len(pos)], table, 8, torch.arange(len(pos)), heads, hd), kv)).float()
+            for pos in steps
+        ])  # fmt: skip
         want = exact(ids[None]).logits[0]
         theirs = hf16(ids[None]).logits[0].float()
     assert (ours - want).abs().max() <= 2 * (theirs - want).abs().max()
+    assert (ours[40:] - want[40:]).abs().max() <= 2 * (theirs[40:] - want[40:]).abs().max()
     assert (ours.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("cfg", [
-    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, attention_bias=True, eos_token_ids=(2, 3),
-                rope_scaling=RopeScaling("llama3", 4.0, ORIGINAL, 1.0, 4.0)),
-    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, model_type="qwen3", head_dim=32,
-                tie_word_embeddings=False),
-], ids=["llama-llama3", "qwen3"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attention_bias=True,
+            eos_token_ids=(2, 3),
+            rope_scaling=RopeScaling("llama3", 4.0, ORIGINAL, 1.0, 4.0),
+        ),
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            model_type="qwen3",
+            head_dim=32,
+            tie_word_embeddings=False,
+        ),
+    ],
+    ids=["llama-llama3", "qwen3"],
+)
 def test_a_saved_model_loads_in_transformers_and_back_with_the_same_logits(cfg, tmp_path):
     from transformers import AutoModelForCausalLM
 

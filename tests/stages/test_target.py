@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightspec_core.models.llama import LlamaModel, PagedBatch
+from lightspec_core.models.llama import LlamaModel
+from lightspec_core.models.paged import PagedBatch, attend_pool, attend_sdpa, bag_rows, row_mask
 from lightspec_core.stages.contract import ModelCall
 from lightspec_core.stages.target import ModelRunner
 
@@ -19,8 +20,15 @@ def _call(runner: ModelRunner, reqs, tables, sample_all=True):
     bt = np.zeros((len(tables), width), np.int32)
     for r, t in enumerate(tables):
         bt[r, : len(t)] = t
-    call = ModelCall(ids, pos, np.array([len(t) for t, _ in reqs], np.int32), bt,
-                     np.arange(len(ids), dtype=np.int64), np.array([True]), np.array([True]))
+    call = ModelCall(
+        ids,
+        pos,
+        np.array([len(t) for t, _ in reqs], np.int32),
+        bt,
+        np.arange(len(ids), dtype=np.int64),
+        np.array([True]),
+        np.array([True]),
+    )
     return runner.execute(call)
 
 
@@ -70,9 +78,17 @@ def test_runner_returns_logits_of_the_marked_rows_only(smoke_model):
     ids = rng.integers(3, runner.config.vocab_size, 9).astype(np.int64)
 
     def call(flags):
-        return runner.execute(ModelCall(ids, np.arange(9, dtype=np.int64), np.array([9], np.int32),
-                                        np.array([[0, 1, 2]], np.int32), np.arange(9, dtype=np.int64),
-                                        np.array(flags), np.array([False])))
+        return runner.execute(
+            ModelCall(
+                ids,
+                np.arange(9, dtype=np.int64),
+                np.array([9], np.int32),
+                np.array([[0, 1, 2]], np.int32),
+                np.arange(9, dtype=np.int64),
+                np.array(flags),
+                np.array([False]),
+            )
+        )
 
     full = call([True])
     mask = [True, False, False, True, True, False, True, False, False]
@@ -105,7 +121,9 @@ def test_paged_equals_contiguous_for_random_block_assignments(smoke_model):
         kv = model.new_kv_cache(len(perm), bs)
         ids = torch.cat(seqs)
         pos = torch.cat([torch.arange(n) for n in lens])
-        batch = PagedBatch.build(ids, pos, lens, bt, bs, torch.arange(len(ids)))
+        batch = PagedBatch.build(
+            ids, pos, lens, bt, bs, torch.arange(len(ids)), model.config.num_key_value_heads, model.config.head_dim
+        )
         paged = model.forward_paged(batch, kv)
         with torch.no_grad():
             contiguous = torch.cat([model.forward_train(s.unsqueeze(0))[0] for s in seqs])
@@ -114,16 +132,46 @@ def test_paged_equals_contiguous_for_random_block_assignments(smoke_model):
 
 def test_attention_pads_each_request_only_within_its_group():
     """Decoding rows, verification rows and a prompt chunk attend in separate padded grids: a
-    decoding request never pays for a 40-token chunk's query length or a far longer context."""
+    decoding request never pays for a 40-token chunk's query length or a far longer context (beyond
+    rounding it up to whole blocks)."""
     lens = [1, 1, 1, 5, 3, 40]
     starts = [300, 120, 7, 250, 60, 0]  # position of each request's first new token
     pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
     bt = torch.arange(6 * 20, dtype=torch.int32).view(6, 20)
-    batch = PagedBatch.build(torch.zeros(sum(lens), dtype=torch.int64), pos, lens, bt, 16, torch.arange(sum(lens)))
-    shapes = sorted((g.num_requests, g.max_query, g.context_slots.shape[1]) for g in batch.groups)
-    assert shapes == [(1, 40, 40), (2, 5, 255), (3, 1, 301)]
+    batch = PagedBatch.build(
+        torch.zeros(sum(lens), dtype=torch.int64), pos, lens, bt, 16, torch.arange(sum(lens)), 2, 8
+    )
+    shapes = sorted((g.num_requests, g.max_query, g.max_context, g.padded_context) for g in batch.groups)
+    assert shapes == [(1, 40, 40, 48), (2, 5, 255, 256), (3, 1, 301, 304)]
     rows = torch.sort(torch.cat([g.token_rows for g in batch.groups])).values
     assert torch.equal(rows, torch.arange(sum(lens)))  # every new token in exactly one group
+    decode = next(g for g in batch.groups if g.max_query == 1)  # requests 0, 1, 2: 19 tiles of 2 heads each
+    assert decode.tile_rows.view(3, 2, 19)[1, 1, :3].tolist() == [2 * 20 + 1, 2 * 21 + 1, 2 * 22 + 1]
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 40])
+def test_attention_read_from_the_pool_equals_the_fused_kernel_over_gathered_context(q_len):
+    """The two attention routines of a group (sums of pool rows for decoding and verification, the
+    fused kernel over gathered tiles for prompt chunks) give the same output on the same pool."""
+    gen = torch.Generator().manual_seed(q_len)
+    b, heads, kvh, hd, block, blocks = 3, 8, 2, 16, 4, 24
+    pos = torch.cat([torch.arange(s, s + q_len) for s in (0, 17, 50)])
+    tables = torch.randperm(b * blocks, generator=gen).to(torch.int32).view(b, blocks)
+    batch = PagedBatch.build(
+        torch.zeros(len(pos), dtype=torch.int64), pos, [q_len] * b, tables, block, torch.arange(len(pos)), kvh, hd
+    )
+    (g,) = batch.groups
+    q = torch.randn(b, q_len, heads, hd, generator=gen)
+    keys, values = (torch.randn(b * blocks, kvh, block, hd, generator=gen) for _ in range(2))
+    pool_k = keys.transpose(-1, -2).reshape(b * blocks, kvh, -1)  # key tiles are stored [hd, block]
+    pool_v = values.reshape(b * blocks, kvh, -1)
+    rows = bag_rows(g, heads // kvh, block, hd)
+    got = attend_pool(q, pool_k, pool_v, rows, row_mask(g.mask, kvh, heads // kvh, torch.float32))
+
+    def context(pool):  # [blocks, kv, block, hd] -> each request's tiles in order [Bg, kv, P, hd]
+        return pool.view(-1, block, hd)[g.tile_rows].view(b, kvh, -1, hd)
+
+    torch.testing.assert_close(got, attend_sdpa(q, context(keys), context(values), g.mask), atol=1e-5, rtol=0)
 
 
 def _mtp_call(hidden, last_ids, ks, temps, uniforms):
@@ -131,9 +179,14 @@ def _mtp_call(hidden, last_ids, ks, temps, uniforms):
 
     b = len(ks)
     return MTPCall(
-        hidden=hidden, last_ids=last_ids, num_tokens=np.asarray(ks, np.int32),
-        temperature=np.asarray(temps, np.float32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
-        uniforms=uniforms, return_probs=np.array([any(t > 0 for t in temps)]),
+        hidden=hidden,
+        last_ids=last_ids,
+        num_tokens=np.asarray(ks, np.int32),
+        temperature=np.asarray(temps, np.float32),
+        top_k=np.zeros(b, np.int32),
+        top_p=np.ones(b, np.float32),
+        uniforms=uniforms,
+        return_probs=np.array([any(t > 0 for t in temps)]),
     )
 
 
@@ -152,13 +205,15 @@ def test_mtp_rows_with_different_depths_equal_each_row_alone(default_model):
     u = rng.random((b, big_k)).astype(np.float32)
     res = runner.execute(_mtp_call(hidden, last, ks, temps, u))
     for r in range(b):
-        alone = runner.execute(_mtp_call(hidden[r : r + 1], last[r : r + 1], ks[r : r + 1], temps[r : r + 1], u[r : r + 1]))
+        alone = runner.execute(
+            _mtp_call(hidden[r : r + 1], last[r : r + 1], ks[r : r + 1], temps[r : r + 1], u[r : r + 1])
+        )
         assert res.draft_ids[r].tolist() == alone.draft_ids[0].tolist()
-        assert (res.draft_ids[r, ks[r]:] == -1).all() and (res.draft_ids[r, : ks[r]] >= 0).all()
+        assert (res.draft_ids[r, ks[r] :] == -1).all() and (res.draft_ids[r, : ks[r]] >= 0).all()
         if temps[r] > 0:
             np.testing.assert_allclose(res.draft_probs[r], alone.draft_probs[0], atol=1e-5)
             assert np.allclose(res.draft_probs[r, : ks[r]].sum(-1), 1.0, atol=1e-4)
-            assert not res.draft_probs[r, ks[r]:].any()
+            assert not res.draft_probs[r, ks[r] :].any()
     # the default heads propose from their frequency-ranked draft vocabulary only
     vocab = runner.heads.draft_vocab
     assert vocab and len(vocab) == 1024
@@ -214,9 +269,15 @@ def test_lone_greedy_row_drafts_as_in_a_batch(default_model):
     def call(rows, stop: bool) -> MTPCall:
         n = len(rows)
         return MTPCall(
-            hidden=hidden[rows], last_ids=last[rows], num_tokens=ks[rows], temperature=np.zeros(n, np.float32),
-            top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), uniforms=np.zeros((n, 4), np.float32),
-            return_probs=np.array([False]), min_gain=np.full(n, 0.5 if stop else 0.0, np.float32),
+            hidden=hidden[rows],
+            last_ids=last[rows],
+            num_tokens=ks[rows],
+            temperature=np.zeros(n, np.float32),
+            top_k=np.zeros(n, np.int32),
+            top_p=np.ones(n, np.float32),
+            uniforms=np.zeros((n, 4), np.float32),
+            return_probs=np.array([False]),
+            min_gain=np.full(n, 0.5 if stop else 0.0, np.float32),
             calibration=_stop_table(5) if stop else np.zeros((0, 0, 0), np.float32),
         )
 
@@ -329,21 +390,34 @@ def test_fused_drafts_follow_greedy_verification_then_equal_the_mtp_stage(defaul
     ends = np.cumsum(qlens)
     sample = [*range(1, ends[0]), ends[1] - 1, ends[3] - 1]  # A: its token and each draft; B, D: last row
     tables = [[0, 1], [2, 3], [4, 5], [6, 7]]
-    call = ModelCall(np.array([t for toks, _ in reqs for t in toks], np.int64),
-                     np.array([p for toks, s in reqs for p in range(s, s + len(toks))], np.int64),
-                     np.array(qlens, np.int32), np.array(tables, np.int32), np.array(sample, np.int64),
-                     np.array([False]), np.array([True]), mtp_drafts=np.array([4, 3, 2, 0], np.int32),
-                     mtp_conf=np.array([True]))
+    call = ModelCall(
+        np.array([t for toks, _ in reqs for t in toks], np.int64),
+        np.array([p for toks, s in reqs for p in range(s, s + len(toks))], np.int64),
+        np.array(qlens, np.int32),
+        np.array(tables, np.int32),
+        np.array(sample, np.int64),
+        np.array([False]),
+        np.array([True]),
+        mtp_drafts=np.array([4, 3, 2, 0], np.int32),
+        mtp_conf=np.array([True]),
+    )
     res = runner.execute(call)
     top1 = res.top1_ids.tolist()
     assert verify_greedy(drafts, top1[:4]) == [out[1], out[2], out[3]]  # 2 accepted, then the bonus
     assert res.accepted.tolist() == [2, 0, -1, -1]
     for b, row, n in ((0, 2, 4), (1, 4, 3)):  # the bonus row: A's third sample row, B's only one
-        alone = heads.execute(MTPCall(
-            hidden=res.hidden[row : row + 1], last_ids=np.array([top1[row]], np.int64),
-            num_tokens=np.array([n], np.int32), temperature=np.zeros(1, np.float32), top_k=np.zeros(1, np.int32),
-            top_p=np.ones(1, np.float32), uniforms=np.zeros((1, heads.num_heads), np.float32),
-            return_probs=np.array([False])))
+        alone = heads.execute(
+            MTPCall(
+                hidden=res.hidden[row : row + 1],
+                last_ids=np.array([top1[row]], np.int64),
+                num_tokens=np.array([n], np.int32),
+                temperature=np.zeros(1, np.float32),
+                top_k=np.zeros(1, np.int32),
+                top_p=np.ones(1, np.float32),
+                uniforms=np.zeros((1, heads.num_heads), np.float32),
+                return_probs=np.array([False]),
+            )
+        )
         assert res.next_draft_ids[b].tolist() == alone.draft_ids[0].tolist()
         assert (res.next_draft_ids[b, :n] >= 0).all() and (res.next_draft_ids[b, n:] == -1).all()
         assert ((res.next_draft_conf[b, :n] >= 0) & (res.next_draft_conf[b, :n] <= 1)).all()
@@ -386,32 +460,62 @@ def test_lone_row_heads_run_with_numpy_blas_on_one_thread(default_model, monkeyp
     with threadpool_limits(limits=2, user_api="blas"):  # two threads, as on the 2-core benchmark machine
         before = blas_threads()
         assert before and set(before) == {2}, before  # numpy's OpenBLAS is there to be limited
-        out = runner.execute(MTPCall(
-            hidden=np.ones((1, h), np.float32), last_ids=np.array([5]), num_tokens=np.array([4], np.int32),
-            temperature=np.zeros(1, np.float32), top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
-            uniforms=np.zeros((1, 4), np.float32), return_probs=np.array([False])))
+        out = runner.execute(
+            MTPCall(
+                hidden=np.ones((1, h), np.float32),
+                last_ids=np.array([5]),
+                num_tokens=np.array([4], np.int32),
+                temperature=np.zeros(1, np.float32),
+                top_k=np.zeros(1, np.int32),
+                top_p=np.ones(1, np.float32),
+                uniforms=np.zeros((1, 4), np.float32),
+                return_probs=np.array([False]),
+            )
+        )
         assert (out.draft_ids[0] >= 0).all()
         assert len(seen) == 4 and all(t == [1] * len(before) for t in seen)
         assert blas_threads() == before
 
 
 def test_gather_buffers_are_reused_and_a_smaller_step_after_a_larger_one_is_exact(smoke_model):
-    """The context keys/values a layer gathers go to buffers the model keeps between steps: a
-    larger step grows them, a smaller one uses their front, and what it computes is bit for bit
+    """The context keys/values a prompt chunk gathers go to buffers the model keeps between steps:
+    a larger step grows them, a smaller one uses their front, and what it computes is bit for bit
     what a runner that never ran the larger step computes."""
     target = smoke_model / "target"
     rng = np.random.default_rng(3)
     used, fresh = (ModelRunner(target, num_blocks=64, block_size=4) for _ in range(2))
     vocab = used.config.vocab_size
-    small = rng.integers(3, vocab, 7).tolist()
+    small = rng.integers(3, vocab, 22).tolist()  # two chunks of more than ROW_GROUP_MAX_QUERY tokens
     big = [rng.integers(3, vocab, 30).tolist() for _ in range(3)]
     big_tables = [[8 + 8 * r + i for i in range(8)] for r in range(3)]  # blocks 8..31: not the small request's
     _call(used, [(t, 0) for t in big], big_tables)
     grown = used.model._gather_bufs[0]
-    _call(used, [(small[:5], 0)], [[0, 1]])
-    _call(fresh, [(small[:5], 0)], [[0, 1]])
+    _call(used, [(small[:12], 0)], [list(range(6))])
+    _call(fresh, [(small[:12], 0)], [list(range(6))])
     assert used.model._gather_bufs[0].data_ptr() == grown.data_ptr()  # reused, not reallocated
-    a = _call(used, [(small[5:], 5)], [[0, 1]])
-    b = _call(fresh, [(small[5:], 5)], [[0, 1]])
+    a = _call(used, [(small[12:], 12)], [list(range(6))])
+    b = _call(fresh, [(small[12:], 12)], [list(range(6))])
     np.testing.assert_array_equal(a.logits, b.logits)
     assert fresh.model._gather_bufs[0].numel() < grown.numel()
+
+
+def test_decoding_over_the_index_budget_gathers_its_context_and_computes_the_same(smoke_model, monkeypatch):
+    """Past ``POOL_INDEX_BUDGET`` a decoding group gathers its context for the fused kernel instead of
+    reading the pool in place: the logits agree, and the gather buffers show which way it went."""
+    from lightspec_core.models import paged
+
+    rng = np.random.default_rng(4)
+    runners = [ModelRunner(smoke_model / "target", num_blocks=16, block_size=4) for _ in range(2)]
+    vocab = runners[0].config.vocab_size
+    prompts = [rng.integers(3, vocab, 11).tolist() for _ in range(2)]
+    nxt = rng.integers(3, vocab, 2).tolist()
+    tables = [[0, 1, 2], [5, 6, 7]]
+    out = []
+    for r, budget in zip(runners, [paged.POOL_INDEX_BUDGET, 0]):
+        monkeypatch.setattr(paged, "POOL_INDEX_BUDGET", budget)
+        _call(r, [(p, 0) for p in prompts], tables)  # 11-token chunks: gathered either way
+        r.model._gather_bufs = None
+        out.append(_call(r, [([t], 11) for t in nxt], tables))
+    assert runners[0].model._gather_bufs is None and runners[1].model._gather_bufs is not None
+    np.testing.assert_allclose(out[0].logits, out[1].logits, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(out[0].top1_ids, out[1].top1_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from tools import bench_runner
 
@@ -17,7 +18,10 @@ def test_step_call_feeds_q_tokens_per_request_after_the_context():
 
 def test_steps_are_timed_per_batch_and_tokens(smoke_model, capsys):
     argv = ["--model-dir", str(smoke_model / "target"), "--batches", "1", "2", "--tokens", "1", "3",
-            "--context", "16", "--repeats", "2"]  # fmt: skip
+            "--context", "16", "--repeats", "2", "--threads", "1"]  # fmt: skip
+    before = torch.get_num_threads()
     res = bench_runner.main(argv)
     assert sorted(res) == [(1, 1), (1, 3), (2, 1), (2, 3)] and all(t > 0 for t in res.values())
-    assert "| 2 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 2 |" in out and "threads: 1" in out
+    assert torch.get_num_threads() == before  # the caller's setting is restored
