@@ -11,9 +11,12 @@ returned (BLS inside ``initialize``/``finalize`` is not allowed), including BOOL
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import fields
 
 import numpy as np
@@ -30,29 +33,115 @@ class StageError(RuntimeError):
     """A stage model answered with an error or without an expected output."""
 
 
+class StageUnavailable(StageError):
+    """A stage model's process is gone, stalled past the stage timeout, or not loaded: the requests of
+    the step end UNAVAILABLE (see :func:`is_unavailable`) and the fault is reported."""
+
+
+UNAVAILABLE_TAG = "unavailable:"  # the prefix of every StageUnavailable message, after the model name
+# What Triton 2.51's Python backend answers for a stage whose stub died or missed its 1 s health
+# deadline (a stall): its own health check, not the model, failed.
+_STUB_DOWN = ("is not healthy", "failed to obtain the health mutex", "stub process")
+
+
+def is_unavailable(message: str) -> bool:
+    """Whether an engine error message comes from a :class:`StageUnavailable`."""
+    return UNAVAILABLE_TAG in message
+
+
 # What Triton answers a BLS request to a model that has not finished loading, or from a model whose
 # own initialize has not returned yet (BLS works from other threads only once it has).
-_NOT_YET = ("unknown model", "not found", "not ready", "no available version", "unavailable",
-            "only supported during the 'execute' function")
+_NOT_YET = (
+    "unknown model",
+    "not found",
+    "not ready",
+    "no available version",
+    "unavailable",
+    "only supported during the 'execute' function",
+)
 
 
 class BLSExecutor:
-    def __init__(self, stage_models: dict[str, str], pb_utils, timeout_us: int = 0, load_wait_s: float = 600.0):
+    def __init__(
+        self,
+        stage_models: dict[str, str],
+        pb_utils,
+        timeout_us: int = 0,
+        load_wait_s: float = 600.0,
+        *,
+        stage_timeout_s: float = 0.0,
+        on_fault: Callable[[str, str], None] | None = None,
+    ):
         """``stage_models``: engine stage name -> Triton model name. ``pb_utils`` is the
         ``triton_python_backend_utils`` module (passed in so tests can script the stages).
-        ``load_wait_s``: how long a profile request waits for a stage model that is still loading."""
+        ``load_wait_s``: how long a profile request waits for a stage model that is still loading.
+        ``stage_timeout_s`` (0: none): a call not answered by then fails with
+        :class:`StageUnavailable` (its worker stays blocked; later calls to that stage queue behind
+        it and fail the same way). ``on_fault(model, message)`` hears of every such failure."""
         self.stage_models = dict(stage_models)
         self.pb = pb_utils
         self.timeout_us = timeout_us
         self.load_wait_s = load_wait_s
+        self.stage_timeout_s = stage_timeout_s
+        self.on_fault = on_fault
         self._pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"bls-{s}") for s in self.stage_models}
+        self._pending: dict[int, tuple[float, Future, str]] = {}  # calls with a deadline, by id(future)
+        self._pending_lock = threading.Lock()
+        self._watchdog: threading.Thread | None = None
 
     def submit(self, stage: str, call) -> Future:
         if stage not in self.stage_models:
             raise ValueError(f"stage {stage!r}: no stage model configured (known: {sorted(self.stage_models)})")
         if type(call) not in RESULT_TYPES:
             raise TypeError(f"stage {stage!r}: cannot send a {type(call).__name__}")
-        return submit_timed(self._pools[stage], self.call, self.stage_models[stage], call)
+        fut = submit_timed(self._pools[stage], self.call, self.stage_models[stage], call)
+        return self._with_deadline(fut, self.stage_models[stage]) if self.stage_timeout_s > 0 else fut
+
+    def _with_deadline(self, inner: Future, model: str) -> Future:
+        """A future that follows ``inner`` but fails with :class:`StageUnavailable` once
+        ``stage_timeout_s`` passes without an answer (one watchdog thread checks every deadline:
+        no thread per call on the engine's hot path)."""
+        outer: Future = Future()
+        with self._pending_lock:
+            self._pending[id(outer)] = (time.monotonic() + self.stage_timeout_s, outer, model)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="bls-deadlines", daemon=True)
+                self._watchdog.start()
+
+        def settle(f: Future) -> None:
+            with self._pending_lock:
+                self._pending.pop(id(outer), None)
+            if outer.done():
+                return  # timed out already: the late answer is dropped
+            outer.t_done = getattr(f, "t_done", time.perf_counter())
+            exc = f.exception()
+            with contextlib.suppress(InvalidStateError):  # the watchdog and the answer raced
+                outer.set_exception(exc) if exc is not None else outer.set_result(f.result())
+
+        inner.add_done_callback(settle)
+        return outer
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(0.25, self.stage_timeout_s / 4))
+            now = time.monotonic()
+            with self._pending_lock:
+                expired = [k for k, (deadline, _, _) in self._pending.items() if deadline <= now]
+                calls = [self._pending.pop(k)[1:] for k in expired]
+            for outer, model in calls:
+                err = StageUnavailable(
+                    f"stage model {model!r} {UNAVAILABLE_TAG} no answer in {self.stage_timeout_s:g} s"
+                )
+                self._report(model, str(err))
+                outer.t_done = time.perf_counter()
+                with contextlib.suppress(InvalidStateError):
+                    outer.set_exception(err)
+
+    def _report(self, model: str, message: str) -> None:
+        if self.on_fault is not None:
+            # reporting must never hide the stage's own error
+            with contextlib.suppress(Exception):
+                self.on_fault(model, message)
 
     def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
         """The stage model's cost profile (it took it while loading, see ``StageModel``). Stage
@@ -86,7 +175,12 @@ class BLSExecutor:
         kwargs = {"timeout": self.timeout_us} if self.timeout_us else {}
         response = pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=names, **kwargs).exec()
         if response.has_error():
-            raise StageError(f"stage model {model!r}: {response.error().message()}")
+            message = response.error().message()
+            if any(m in message.lower() for m in _STUB_DOWN):
+                err = StageUnavailable(f"stage model {model!r} {UNAVAILABLE_TAG} {message}")
+                self._report(model, str(err))
+                raise err
+            raise StageError(f"stage model {model!r}: {message}")
         tensors = {}
         for name in names:
             t = pb.get_output_tensor_by_name(response, name)

@@ -1,6 +1,7 @@
 """The ``lightspec`` command.
 
 lightspec serve [--model-repository DIR] [--http-port P] [--grpc-port P] [--metrics-port P] ...
+lightspec openai --triton-url HOST:PORT [--port P] [--host H] [--model-dir DIR]
 lightspec generate "def fib(n):" [--max-tokens N] [--url HOST:PORT] [--no-stream] [--temperature T]
 lightspec bench ...            (lightspec_backend.bench, when present)
 lightspec train-heads --model DIR --data PATH... --out DIR [--minutes M] [--steps N] [--resume] ...
@@ -11,14 +12,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 import signal
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 from .generate import generate
 from .install import BACKEND_NAME, PACKAGE_DIR, default_cache_dir
 from .launcher import TritonServer
+from .openai_api.command import add_parsers as add_openai_parsers
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}  # Triton's; 0 picks free ports
 
@@ -130,15 +133,18 @@ def _server(args, repo: Path) -> TritonServer:
         stream_logs=args.verbose,
         log_verbose=args.log_verbose,
         tritonserver=args.tritonserver,
+        model_control_mode="explicit",  # the supervisor unloads the orchestrator first on shutdown
+        load_models=["*"],
     )
 
 
-def _print_endpoints(server: TritonServer, verbose: bool) -> None:
+def _print_endpoints(server: TritonServer, verbose: bool, openai_url: str | None = None) -> None:
     print(
         f"LightSpec is serving (tritonserver pid {server.pid}):\n"
         f'  gRPC     {server.grpc_url}    try: lightspec generate "def fib(n):" --url {server.grpc_url}\n'
         f"  HTTP     http://{server.http_url}/v2/models/lightspec/generate (and /generate_stream)\n"
-        f"  metrics  {server.metrics_url}\n"
+        + (f"  OpenAI   {openai_url} (/completions, /chat/completions, /models)\n" if openai_url else "")
+        + f"  metrics  {server.metrics_url}\n"
         + ("" if verbose else f"  log      {server.log_file}\n")
         + "Ctrl-C to stop.",
         flush=True,
@@ -159,16 +165,23 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _run(args, server: TritonServer) -> int:
-    """Start the server, print where it listens, and serve until it exits or is interrupted."""
-    server.start(timeout_s=args.startup_timeout)
-    _print_endpoints(server, args.verbose)
-    if args.sample and _sample(args, server) != 0:
-        return 1
-    while server.is_alive():
-        time.sleep(0.5)
-    print(f"tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
-    return 1
+def _run(args, supervisor) -> int:
+    """Start the server, print where it listens, and serve (restarting it on faults) until
+    interrupted."""
+    from .openai_api.command import start_for_serve
+
+    server = supervisor.server
+    supervisor.start(timeout_s=args.startup_timeout)
+    api = start_for_serve(args, server.grpc_url, server.model_repository)
+    try:
+        _print_endpoints(server, args.verbose, api.url if api else None)
+        if args.sample and _sample(args, server) != 0:
+            return 1
+        supervisor.run()
+    finally:
+        if api is not None:
+            api.stop()
+    return 0
 
 
 def serve(args) -> int:
@@ -186,18 +199,24 @@ def serve(args) -> int:
     except RuntimeError as e:  # no tritonserver found
         print(f"lightspec serve: {e}", file=sys.stderr)
         return 1
+    from .supervisor import Supervisor
+
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    (default_cache_dir() / "control").mkdir(parents=True, exist_ok=True)
+    control = Path(tempfile.mkdtemp(dir=default_cache_dir() / "control"))
+    supervisor = Supervisor(server, control)
     print(f"Starting tritonserver ({server.install.binary}) with {repo} ...", flush=True)
     try:
-        return _run(args, server)
-    except KeyboardInterrupt:
-        print("\nStopping tritonserver ...", flush=True)
-        return 0
+        return _run(args, supervisor)
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C: drain; a second one stops at once
+        print(f"\nStopping tritonserver (in-flight requests get {args.grace_period:g} s to finish) ...", flush=True)
+        return 0 if supervisor.shutdown(args.grace_period) in (0, None) else 1
     except RuntimeError as e:
         print(str(e), file=sys.stderr)
         return 1
     finally:
         server.stop()
+        shutil.rmtree(control, ignore_errors=True)
 
 
 def bench(args) -> int:
@@ -256,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     s.add_argument("--sample", metavar="PROMPT", help="once ready, stream a completion of PROMPT (then keep serving)")
     s.add_argument("--sample-tokens", type=int, default=64, help="tokens for --sample")
+    s.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     s.set_defaults(func=serve)
+    add_openai_parsers(sub, s)  # lightspec openai, and serve's --openai-port
 
     g = sub.add_parser("generate", help="stream a completion from a running server (gRPC)")
     g.add_argument("prompt", help='prompt text, or "-" to read it from stdin')

@@ -21,10 +21,16 @@ def grpc_inputs(**tensors) -> list:
     """``grpc_inputs(text_input="def f():", max_tokens=8, stream=True)`` -> ``list[InferInput]``."""
     import tritonclient.grpc as grpcclient
 
+    return infer_inputs(tensors, grpcclient.InferInput)
+
+
+def infer_inputs(tensors: dict[str, object], infer_input) -> list:
+    """The ``infer_input`` class's objects (``tritonclient.grpc``'s, ``.grpc.aio``'s, ``.http``'s)
+    with the datatypes and shapes the model declares."""
     out = []
     for name, value in tensors.items():
         arr = input_array(name, value)
-        t = grpcclient.InferInput(name, list(arr.shape), INPUT_SPECS[name].client_type)
+        t = infer_input(name, list(arr.shape), INPUT_SPECS[name].client_type)
         t.set_data_from_numpy(arr)
         out.append(t)
     return out

@@ -16,6 +16,14 @@ import numpy as np
 
 from lightspec_core.config import SamplingParams, check_stop_strings
 
+from .conventions import (
+    TRTLLM_EMPTY,
+    TRTLLM_NEUTRAL,
+    check_trtllm_neutral,
+    parse_request_parameters,
+    parse_sampling_parameters,
+    stream_parameter,
+)
 from .tensors import INPUT_SPECS
 
 Getter = Callable[[str], "np.ndarray | None"]
@@ -29,6 +37,7 @@ class GenerateRequest:
     exclude_input_in_output: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    prompt_name: str = "text_input"  # the input that carried the prompt, for error messages
 
 
 def _check_dtype(name: str, arr: np.ndarray) -> np.ndarray:
@@ -44,13 +53,22 @@ def _check_dtype(name: str, arr: np.ndarray) -> np.ndarray:
 
 
 def _scalar(get: Getter, name: str):
+    """A one-element input: shape [1] (this model's dims) or [1, 1] (a batched client's)."""
     arr = get(name)
     if arr is None:
         return None
     arr = _check_dtype(name, arr)
     if arr.size != 1:
-        raise ValueError(f"{name}: expected exactly one element (shape [1]), got shape {list(arr.shape)}")
+        raise ValueError(f"{name}: expected exactly one element (shape [1] or [1, 1]), got shape {list(arr.shape)}")
     return arr.reshape(-1)[0]
+
+
+def _vector(name: str, arr: np.ndarray) -> np.ndarray:
+    """A list input: shape [N], or [1, N] from a batched client."""
+    arr = _check_dtype(name, arr)
+    if arr.ndim > 2 or (arr.ndim == 2 and arr.shape[0] != 1):
+        raise ValueError(f"{name}: expected shape [N] or [1, N], got shape {list(arr.shape)}")
+    return arr.reshape(-1)
 
 
 def _decode(name: str, value) -> str:
@@ -78,7 +96,7 @@ def _prompt(get: Getter, vocab_size: int | None) -> str | list[int]:
         if not prompt:
             raise ValueError("text_input: the prompt is empty")
         return prompt
-    arr = _check_dtype("input_ids", ids).reshape(-1)
+    arr = _vector("input_ids", ids)
     if arr.size == 0:
         raise ValueError("input_ids: the prompt is empty")
     if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
@@ -91,41 +109,124 @@ def _stop_words(get: Getter) -> list[str]:
     arr = get("stop_words")
     if arr is None:
         return []
-    words = [_decode("stop_words", w) for w in _check_dtype("stop_words", arr).reshape(-1)]
+    words = [_decode("stop_words", w) for w in _vector("stop_words", arr)]
+    if not any(words):  # TensorRT-LLM clients send "" for "no stop words"
+        return []
     if any(not w for w in words):
         raise ValueError(f"stop_words={words!r}: stop strings must be non-empty")
     check_stop_strings("stop_words", words)
     return words
 
 
-def parse_request(get: Getter, max_model_len: int | None = None, vocab_size: int | None = None) -> GenerateRequest:
-    """Parse and validate one request's tensors. Defaults are documented in :mod:`.tensors`."""
-    prompt = _prompt(get, vocab_size)
-    kwargs = {}
-    for name, cast in (
-        ("max_tokens", int),
-        ("temperature", float),
-        ("top_p", float),
-        ("top_k", int),
-        ("seed", int),
-        ("end_id", int),
-        ("priority", int),
-        ("num_draft_tokens", int),
-    ):
+# (tensor, SamplingParams field, cast): the inputs that set a sampling field; two names of one
+# field (LightSpec's or vLLM's and TensorRT-LLM's) may not both be sent.
+_FIELD_TENSORS = (
+    ("max_tokens", "max_tokens", int),
+    ("temperature", "temperature", float),
+    ("top_p", "top_p", float),
+    ("top_k", "top_k", int),
+    ("seed", "seed", int),
+    ("random_seed", "seed", int),
+    ("end_id", "end_id", int),
+    ("priority", "priority", int),
+    ("num_draft_tokens", "num_draft_tokens", int),
+    ("min_tokens", "min_tokens", int),
+    ("min_length", "min_tokens", int),
+    ("ignore_eos", "ignore_eos", bool),
+)
+
+
+def _tensor_fields(get: Getter) -> tuple[dict, dict[str, str]]:
+    """SamplingParams keyword arguments from the input tensors, and the input that set each."""
+    kwargs: dict = {}
+    origin: dict[str, str] = {}
+    for name, field, cast in _FIELD_TENSORS:
+        v = _scalar(get, name)
+        if v is None:
+            continue
+        if field in origin:
+            raise ValueError(f"{name}: give either {origin[field]} or {name}, not both")
+        kwargs[field], origin[field] = cast(v), name
+    stop = _stop_words(get)
+    if stop:
+        kwargs["stop"], origin["stop"] = stop, "stop_words"
+    return kwargs, origin
+
+
+def _refuse_unsupported(get: Getter) -> None:
+    """TensorRT-LLM and vLLM-backend inputs LightSpec cannot honour, unless neutral or empty."""
+    for name in TRTLLM_NEUTRAL:
         v = _scalar(get, name)
         if v is not None:
-            kwargs[name] = cast(v)
-    kwargs["ignore_eos"] = _flag(get, "ignore_eos")
-    kwargs["stop"] = _stop_words(get)
+            check_trtllm_neutral(name, v)
+    for name in TRTLLM_EMPTY:
+        arr = get(name)
+        if arr is not None and any(_is_set(v) for v in _vector(name, arr)):  # "" or [] means none, as in TRT-LLM
+            raise ValueError(f"{name}: not supported by LightSpec (send it empty or not at all)")
+
+
+def _is_set(value) -> bool:
+    return bool(value) if isinstance(value, (bytes, str)) else True
+
+
+def _merge(kwargs: dict, origin: dict[str, str], extra: dict, source: str) -> None:
+    for field, value in extra.items():
+        if field in origin:
+            raise ValueError(f"{source}: {field} is also given by {origin[field]}; give it once")
+        kwargs[field], origin[field] = value, f"{source}: {field}"
+
+
+def _sampling_params(kwargs: dict, origin: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:  # SamplingParams names its field; name the input the client sent instead
+        msg = str(e)
+        field = msg.split("=", 1)[0].split(":", 1)[0]
+        name = origin.get(field, field)
+        raise ValueError(name + msg[len(field) :] if msg.startswith(field) else msg) from None
+
+
+def parse_request(
+    get: Getter,
+    max_model_len: int | None = None,
+    vocab_size: int | None = None,
+    parameters: dict | str | None = None,
+) -> GenerateRequest:
+    """Parse and validate one request's tensors and request parameters (see :mod:`.conventions`).
+    Defaults are documented in :mod:`.tensors`. A sampling field given twice (as a tensor, in
+    ``sampling_parameters``, as a request parameter) is refused: no precedence rule to guess."""
+    prompt = _prompt(get, vocab_size)
+    kwargs, origin = _tensor_fields(get)
+    _refuse_unsupported(get)
+    text = _scalar(get, "sampling_parameters")
+    if text is not None:
+        _merge(kwargs, origin, parse_sampling_parameters(_decode("sampling_parameters", text)), "sampling_parameters")
+    _merge(kwargs, origin, parse_request_parameters(parameters), "parameter")
+    kwargs.setdefault("ignore_eos", False)
     max_tokens = kwargs.get("max_tokens", SamplingParams.max_tokens)
     if max_model_len is not None and max_tokens > max_model_len:
-        raise ValueError(f"max_tokens={max_tokens}: exceeds the model's context length ({max_model_len} tokens)")
-    params = SamplingParams(**kwargs)  # its ValueErrors already start with the field (= tensor) name
+        name = origin.get("max_tokens", "max_tokens")
+        raise ValueError(f"{name}={max_tokens}: exceeds the model's context length ({max_model_len} tokens)")
+    params = _sampling_params(kwargs, origin)
     return GenerateRequest(
         prompt=prompt,
         params=params,
-        stream=_flag(get, "stream"),
+        stream=_stream(get, parameters),
         exclude_input_in_output=_flag(get, "exclude_input_in_output"),
         return_num_input_tokens=_flag(get, "return_num_input_tokens"),
         return_num_output_tokens=_flag(get, "return_num_output_tokens"),
+        prompt_name="text_input" if isinstance(prompt, str) else "input_ids",
     )
+
+
+def _stream(get: Getter, parameters: dict | str | None) -> bool:
+    tensor, param = _scalar(get, "stream"), stream_parameter(parameters)
+    if tensor is not None and param is not None:
+        raise ValueError("stream: given both as an input and as a request parameter; give it once")
+    return bool(tensor) if tensor is not None else bool(param)
+
+
+def name_prompt_error(request: GenerateRequest, error: ValueError) -> str:
+    """The engine names a prompt problem ``prompt: ...``; the client sent ``text_input`` or ``input_ids``."""
+    msg = str(error)
+    return request.prompt_name + msg[len("prompt") :] if msg.startswith("prompt:") else msg

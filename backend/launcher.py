@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +33,7 @@ from .install import build_backend_directory, build_python_path, default_cache_d
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
+
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports that are free right now (the OS picks; a later bind can still race)."""
@@ -46,20 +49,46 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _orphaned_stubs(server_pid: int) -> dict[int, list[str]]:
-    """Live stub processes still in the server's process group (``start_new_session`` made the
-    server's pid the group id; the group cannot be reused while a member lives), with the shared
-    memory regions named on their command lines. Zombies are skipped: they are dead already."""
-    out = {}
+@dataclass(frozen=True)
+class StubProcess:
+    pid: int
+    name: str  # the model instance, e.g. "lightspec_target_0_0"
+    state: str  # /proc state: R, S, D, T (stopped), Z (zombie: dead, not reaped yet)
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in "ZX"
+
+
+def stub_processes(server_pid: int) -> list[StubProcess]:
+    """Python backend stubs in the server's process group (``start_new_session`` made the server's
+    pid the group id; the group cannot be reused while a member lives), zombies included. The stub's
+    command line is ``stub model.py shm_region shm_size growth parent_pid lib_dir ipc_handle name``."""
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             text = stat.read_text()
             comm = text[text.index("(") + 1 : text.rindex(")")]
             state, _, pgrp = text[text.rindex(")") + 2 :].split()[:3]
-            if int(pgrp) == server_pid and comm.startswith("triton_python") and state not in "ZX":
+            if int(pgrp) == server_pid and comm.startswith("triton_python"):
                 argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
-                out[int(stat.parent.name)] = [a for a in argv if "_shm_region_" in a and "/" not in a]
+                out.append(StubProcess(int(stat.parent.name), argv[8] if len(argv) > 8 else "?", state))
     return out
+
+
+def _orphaned_stubs(server_pid: int) -> list[int]:
+    """Live stubs still in a stopped server's process group (they ignore SIGTERM)."""
+    return [s.pid for s in stub_processes(server_pid) if s.alive]
+
+
+def remove_shm_regions(prefix: str) -> list[str]:
+    """Unlink every ``/dev/shm`` region whose name starts with ``prefix``; returns their names."""
+    removed = []
+    for region in Path("/dev/shm").glob(f"{prefix}*"):
+        with contextlib.suppress(OSError):
+            region.unlink()
+            removed.append(region.name)
+    return removed
 
 
 def _die_with_parent():
@@ -79,7 +108,9 @@ class TritonServer:
     Ports left ``None`` are picked free (and re-picked if the server fails to bind them).
     ``model_control_mode="explicit"`` starts with only ``load_models`` loaded (tests load more
     through the client). ``log_path=None`` writes the server log to a file under the cache directory;
-    ``stream_logs=True`` lets it go to this process's stdout instead.
+    ``stream_logs=True`` lets it go to this process's stdout instead. The Python backend's shared
+    memory regions carry a prefix unique to this object (``shm_prefix``), so that :meth:`stop`
+    removes what a crashed server or a killed stub leaves in ``/dev/shm``, and nothing else.
     """
 
     def __init__(
@@ -118,6 +149,7 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.base_env = env
         self.process: subprocess.Popen | None = None
+        self.shm_prefix = f"lightspec_{os.getpid()}_{secrets.token_hex(4)}_"
         self.http_port = self.grpc_port = self.metrics_port = 0
 
     # -- addresses ------------------------------------------------------------------------------
@@ -156,6 +188,7 @@ class TritonServer:
             f"--model-control-mode={self.model_control_mode}",
             f"--log-verbose={self.log_verbose}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         cmd += [f"--load-model={m}" for m in self.load_models]
         return cmd + self.extra_args
@@ -252,11 +285,20 @@ class TritonServer:
         deadline = time.monotonic() + 10
         while orphans and _orphaned_stubs(p.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for region in {r for regions in orphans.values() for r in regions}:
-            # a crashed server never unlinks the regions it shared with these stubs
-            with contextlib.suppress(OSError):
-                (Path("/dev/shm") / region).unlink()
+        # a crashed server, or one whose stub was killed, never unlinks the regions it shared
+        remove_shm_regions(self.shm_prefix)
         return p.returncode
+
+    def kill(self) -> int | None:
+        """Stop at once (SIGKILL): for a server that is broken already. Cleans up as :meth:`stop`."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+        return self.stop(timeout_s=0)
+
+    def stubs(self) -> list[StubProcess]:
+        """The server's Python backend stub processes (see :func:`stub_processes`)."""
+        return stub_processes(self.process.pid) if self.process is not None else []
 
     def log_text(self) -> str:
         if self._log is None or not self._log.is_file():

@@ -1,11 +1,18 @@
-"""Engine statistics -> Triton custom metrics (``pb_utils.MetricFamily``), named ``lightspec:<name>``.
+"""Engine statistics -> Triton custom metrics (``pb_utils.MetricFamily``).
+
+A quantity vLLM also exports is exported under vLLM's name (``vllm:<name>``, vLLM 0.32's
+``v1/metrics/loggers.py`` and ``v1/spec_decode/metrics.py``), with vLLM's label ``model_name``
+(and ``engine="0"``) and vLLM's histogram buckets, so dashboards and alerts written for vLLM read
+LightSpec unchanged; the others keep the ``lightspec:`` prefix (:data:`VLLM_NAMES` decides).
+Triton does not add a ``_total`` suffix, so the counters' family names carry it.
 
 The engine's stats object collects; this module only reports. The mapping is generic so new engine
 statistics appear without touching the backend:
 
 - snapshot keys ending in ``_total`` are counters (the engine keeps totals; the reporter increments
   Triton's counter by the difference since the last publish); a list value is one counter per
-  position, labelled ``position`` (0-based draft position);
+  position, labelled ``position`` (0-based draft position); a dict value one counter per key,
+  labelled as :data:`DICT_LABELS` says;
 - other numeric snapshot keys are gauges;
 - drained observations ``(name, value, labels)`` are histograms, with the buckets below.
 
@@ -16,25 +23,78 @@ metrics endpoint when its Python object is garbage-collected, so the reporter ke
 
 from __future__ import annotations
 
+# engine statistic -> vLLM's name for the same quantity
+VLLM_NAMES = {
+    "spec_decode_num_draft_tokens_total": "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total": "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_steps_total": "spec_decode_num_drafts_total",
+    "spec_decode_num_accepted_tokens_per_pos_total": "spec_decode_num_accepted_tokens_per_pos_total",
+    "num_preemptions_total": "num_preemptions_total",
+    "generation_tokens_total": "generation_tokens_total",
+    "prompt_tokens_total": "prompt_tokens_total",
+    "request_success_total": "request_success_total",
+    "num_requests_running": "num_requests_running",
+    "num_requests_waiting": "num_requests_waiting",
+    "kv_cache_usage_ratio": "kv_cache_usage_perc",
+    "time_to_first_token_seconds": "time_to_first_token_seconds",
+    "inter_token_latency_seconds": "inter_token_latency_seconds",
+    "e2e_request_latency_seconds": "e2e_request_latency_seconds",
+    "request_queue_time_seconds": "request_queue_time_seconds",
+    "request_prefill_time_seconds": "request_prefill_time_seconds",
+    "request_decode_time_seconds": "request_decode_time_seconds",
+    "request_prompt_tokens": "request_prompt_tokens",
+    "request_generation_tokens": "request_generation_tokens",
+}
+DICT_LABELS = {"request_success_total": "finished_reason"}
+PREFIX = "lightspec:"
+VLLM_PREFIX = "vllm:"
+
+
+def exported_name(name: str) -> str:
+    """The name an engine statistic is exported under."""
+    return VLLM_PREFIX + VLLM_NAMES[name] if name in VLLM_NAMES else PREFIX + name
+
+
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
 _DECISION = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 6e-4, 7e-4, 8e-4, 9e-4, 1e-3, 1.25e-3, 1.5e-3, 2e-3, 2.5e-3,
              5e-3, 1e-2]  # fmt: skip
 _LATENCY = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# vLLM's buckets (v1/metrics/loggers.py)
+_VLLM_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+              80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+_VLLM_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_VLLM_REQUEST = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                 960.0, 1920.0, 7680.0]  # fmt: skip
 HISTOGRAM_BUCKETS = {
-    "time_to_first_token_seconds": _LATENCY,
-    "time_per_output_token_seconds": [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2],
-    "e2e_request_latency_seconds": _LATENCY,
+    "time_to_first_token_seconds": _VLLM_TTFT,
+    "inter_token_latency_seconds": _VLLM_ITL,
+    "e2e_request_latency_seconds": _VLLM_REQUEST,
+    "request_queue_time_seconds": _VLLM_REQUEST,
+    "request_prefill_time_seconds": _VLLM_REQUEST,
+    "request_decode_time_seconds": _VLLM_REQUEST,
     # fine around 1 ms, the decision-time target: a p99 interpolated in a 0.5-1 ms bucket says little
     "scheduler_decision_seconds": _DECISION,
     "scheduler_decision_cpu_seconds": _DECISION,
     "draft_tokens_per_step": [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16],
     "stage_latency_seconds": [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0],
 }
+TOKEN_COUNT_HISTOGRAMS = ("request_prompt_tokens", "request_generation_tokens")  # buckets from the context length
 DESCRIPTIONS = {
     "spec_decode_num_draft_tokens_total": "Draft tokens proposed",
     "spec_decode_num_accepted_tokens_total": "Draft tokens accepted by the target",
     "spec_decode_num_accepted_tokens_per_pos_total": "Draft tokens accepted, per draft position",
     "spec_decode_num_draft_tokens_per_pos_total": "Draft tokens proposed, per draft position",
-    "spec_decode_num_steps_total": "Request-steps that carried at least one draft token",
+    "spec_decode_num_steps_total": "Request-steps that carried at least one draft token (vLLM: drafts)",
     "spec_decode_num_stopped_drafts_total": (
         "Granted draft slots the proposer left empty (a confidence stop, a short n-gram match)"
     ),
@@ -44,12 +104,19 @@ DESCRIPTIONS = {
     "prompt_tokens_total": "Prompt tokens processed",
     "num_requests_running": "Requests in the running batch",
     "num_requests_waiting": "Requests waiting for admission",
-    "kv_cache_usage_ratio": "Allocated KV blocks / all KV blocks",
+    "kv_cache_usage_ratio": "KV-cache usage: allocated KV blocks / all KV blocks (1 means 100 percent)",
     "kv_cache_fragmentation_ratio": "Reserved-but-unused KV slots / allocated slots",
     "mean_acceptance_length": "1 + accepted / request-steps with drafts (counts the bonus token)",
     "time_to_first_token_seconds": "Time from arrival to the first generated token",
-    "time_per_output_token_seconds": "Time between generated tokens of a request",
+    "inter_token_latency_seconds": "Time between a request's steps that produced tokens",
     "e2e_request_latency_seconds": "Time from arrival to the final token",
+    "request_queue_time_seconds": "Time from arrival to the request's first step",
+    "request_prefill_time_seconds": "Time from the first step to the first token",
+    "request_decode_time_seconds": "Time from the first token to the last",
+    "request_prompt_tokens": "Prompt tokens per finished request",
+    "request_generation_tokens": "Generated tokens per finished request",
+    "request_success_total": "Finished requests by finished_reason (stop, length, abort)",
+    "request_failure_total": "Requests that failed: engine errors and requests refused as invalid",
     "scheduler_decision_seconds": "Time the scheduler spent choosing the batch and draft lengths",
     "scheduler_decision_cpu_seconds": (
         "CPU time of the engine thread in that decision (excludes waiting for the GIL or a core)"
@@ -62,15 +129,20 @@ DESCRIPTIONS = {
     "policy_step_excess_seconds": "Dynamic policy: measured target call time beyond the stage profile, per call",
     "policy_step_overhead_seconds": "Dynamic policy: measured step time outside the stages (engine, responses)",
 }
-PREFIX = "lightspec:"
 
 
 class MetricsReporter:
     """Publishes stats into Triton metric families. Call :meth:`publish` from one thread only."""
 
-    def __init__(self, pb_utils, labels: dict[str, str]):
+    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int = 2048):
+        """``labels`` go on every metric (vLLM's: ``model_name`` and ``engine``); ``max_model_len``
+        bounds the token-count histograms' buckets, as in vLLM."""
         self.pb = pb_utils
         self.labels = dict(labels)
+        self.buckets = {
+            **HISTOGRAM_BUCKETS,
+            **dict.fromkeys(TOKEN_COUNT_HISTOGRAMS, build_1_2_5_buckets(max_model_len)),
+        }
         self._families: dict[str, object] = {}
         self._metrics: dict[tuple, object] = {}
         self._last_totals: dict[tuple, float] = {}
@@ -83,7 +155,7 @@ class MetricsReporter:
             fam = self._families.get(name)
             if fam is None:
                 fam = self.pb.MetricFamily(
-                    name=PREFIX + name,
+                    name=exported_name(name),
                     description=DESCRIPTIONS.get(name, name.replace("_", " ")),
                     kind=getattr(self.pb.MetricFamily, kind),
                 )
@@ -104,6 +176,9 @@ class MetricsReporter:
             if isinstance(value, (list, tuple)):
                 for pos, v in enumerate(value):
                     self._count(name, float(v), {"position": str(pos)})
+            elif isinstance(value, dict):
+                for key, v in value.items():
+                    self._count(name, float(v), {DICT_LABELS.get(name, "key"): str(key)})
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             elif name.endswith("_total"):
@@ -111,7 +186,7 @@ class MetricsReporter:
             else:
                 self._metric(name, "GAUGE")[0].set(float(value))
         for name, value, labels in observations:
-            buckets = HISTOGRAM_BUCKETS.get(name, _LATENCY)
+            buckets = self.buckets.get(name, _LATENCY)
             extra = {k: str(v) for k, v in labels.items()}
             self._metric(name, "HISTOGRAM", extra, buckets=buckets)[0].observe(float(value))
 

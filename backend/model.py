@@ -1,11 +1,13 @@
 """LightSpec's Triton Python-based backend, installed as ``<backend-directory>/lightspec/model.py``.
 
-One file, four roles chosen by the config.pbtxt parameter ``role``:
+One file, five roles chosen by the config.pbtxt parameter ``role``:
 
 - ``orchestrator`` (decoupled, max_batch_size 0): owns a ``lightspec_core.LLMEngine`` whose stages
   are the models below, reached by BLS; see :mod:`lightspec_backend.orchestrator`;
 - ``target`` / ``draft``: a :class:`~lightspec_core.stages.ModelRunner` (weights + paged KV pool);
-- ``mtp``: a :class:`~lightspec_core.stages.MTPRunner` (MTP heads).
+- ``mtp``: a :class:`~lightspec_core.stages.MTPRunner` (MTP heads);
+- ``batched`` (decoupled, max_batch_size 1): forwards ``[1, 1]``-shaped requests to the
+  orchestrator; see :mod:`lightspec_backend.front`.
 
 This file is only the adapter between Triton and those pieces: parameters are parsed once into an
 ``EngineConfig`` (a bad one raises here and Triton refuses to load the model), and everything else
@@ -41,6 +43,8 @@ class TritonPythonModel:
         self.name = args["model_name"]
         if self.config.role is Role.ORCHESTRATOR:
             self.impl = _orchestrator(args, model_config, self.config, repository)
+        elif self.config.role is Role.BATCHED:
+            self.impl = _front(model_config, self.config)
         else:
             self.impl = _stage(args, self.config)
         pb_utils.Logger.log_info(f"[lightspec] {self.name}: role={self.config.role.value} ready (python {sys.prefix})")
@@ -72,6 +76,7 @@ class _OrchestratorModel:
 
 def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _OrchestratorModel:
     from lightspec_backend.bls import BLSExecutor
+    from lightspec_backend.control import ControlDir, restarts_from_env
     from lightspec_backend.metrics import MetricsReporter
     from lightspec_backend.orchestrator import Orchestrator
 
@@ -82,7 +87,14 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     for note in check_stage_configs(config, repository):
         pb_utils.Logger.log_warn(f"[lightspec] {note}")
     stages = {s: config.stage_models[s] for s in config.stages_in_use()}
-    executor = BLSExecutor(stages, pb_utils)
+    control = ControlDir.from_env()
+
+    def on_fault(model: str, message: str) -> None:
+        pb_utils.Logger.log_error(f"[lightspec] {message}")
+        if control is not None:  # lightspec serve's supervisor restarts the server
+            control.report_fault(model, message)
+
+    executor = BLSExecutor(stages, pb_utils, stage_timeout_s=config.stage_timeout_s, on_fault=on_fault)
     if config.engine.speculative and config.local_stage(config.engine.speculation):
         from lightspec_core.config import resolve_dirs
         from lightspec_core.engine.build import served_context
@@ -102,14 +114,25 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     reporter = None
     if config.metrics:
         try:
-            reporter = MetricsReporter(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+            # vLLM's labels, so that dashboards written for vLLM select LightSpec's metrics unchanged
+            reporter = MetricsReporter(pb_utils, {"model_name": args["model_name"], "engine": "0"},
+                                       max_model_len=engine.max_model_len)
             reporter.publish(engine.stats.snapshot(), [])  # fails here if the server has metrics off
         except pb_utils.TritonModelException as e:
             pb_utils.Logger.log_warn(f"[lightspec] custom metrics unavailable ({e}); continuing without them")
             reporter = None
     gc.collect()
     gc.freeze()  # what the model loaded (modules, tokenizer, engine): never scanned by a collection again
-    return _OrchestratorModel(Orchestrator(engine, pb_utils, reporter), engine, reporter)
+    orchestrator = Orchestrator(engine, pb_utils, reporter, control=control, restarts=restarts_from_env())
+    return _OrchestratorModel(orchestrator, engine, reporter)
+
+
+def _front(model_config: dict, config):
+    from lightspec_backend.front import BatchedFront
+
+    if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+        raise ValueError("model_transaction_policy: the batched front must be decoupled (decoupled: true)")
+    return BatchedFront(pb_utils, config.orchestrator_model)
 
 
 class _StageModelAdapter:

@@ -8,7 +8,7 @@ Four threads, each with one job (after vllm_backend's layout):
 - the response thread, which builds tensors and calls ``response_sender.send`` (every request ends
   with exactly one FINAL response: data, INVALID_ARG, INTERNAL or UNAVAILABLE);
 - the watcher polls ``is_cancelled()`` (an IPC round trip to the server, kept off the engine loop)
-  and queues aborts.
+  and queues aborts; on a drain (:mod:`lightspec_backend.control`) it cancels what is left at the deadline.
 
 A metrics thread publishes engine statistics, which the engine loop snapshots at most every
 ``metrics_interval_s`` and whenever the engine goes idle (so gauges fall back to zero).
@@ -26,7 +26,9 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from .inputs import parse_request
+from .bls import is_unavailable
+from .control import ControlDir, Drain
+from .inputs import name_prompt_error, parse_request
 from .metrics import MetricsReporter
 from .responses import RequestState, build_response
 
@@ -45,6 +47,7 @@ class _Entry:
     sender: object  # pb_utils InferenceResponseSender
     request: object  # pb_utils InferenceRequest, for is_cancelled()
     abort_queued: bool = False
+    cancel_message: str = ""  # set when the drain deadline cancels it: its final is CANCELLED
     shutting_down: bool = False
     closed: bool = False  # FINAL sent (or attempted); set by the response thread only
     # Serialises is_cancelled() with send(): in Triton 2.51, is_cancelled() on a sender whose FINAL
@@ -54,6 +57,12 @@ class _Entry:
     @property
     def id(self) -> str:
         return self.state.request_id
+
+
+def request_parameters(request) -> str | None:
+    """The request's parameters as JSON (HTTP ``generate`` puts the body's non-input keys there)."""
+    get = getattr(request, "parameters", None)
+    return get() if get is not None else None
 
 
 def requested_outputs(request) -> frozenset[str] | None:
@@ -71,7 +80,10 @@ class Orchestrator:
         *,
         cancel_poll_s: float = 0.05,
         metrics_interval_s: float = 0.25,
+        control: ControlDir | None = None,
+        restarts: int = 0,
     ):
+        """``control``: the supervisor's drain requests; ``restarts``: its restarts before this one."""
         self.engine = engine
         self.pb = pb_utils
         self.log = pb_utils.Logger
@@ -91,6 +103,8 @@ class Orchestrator:
         self._held: list[tuple[_Entry, object]] = []  # engine loop only: the last step's responses
         self._last_publish = 0.0
         self._stopping = threading.Event()
+        self.drain = Drain(control)
+        self.restarts = restarts
         self._threads = [
             threading.Thread(target=self._engine_loop, name="lightspec-engine", daemon=True),
             threading.Thread(target=self._response_loop, name="lightspec-responses", daemon=True),
@@ -117,10 +131,12 @@ class Orchestrator:
 
         entry = _Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request)
         try:
-            parsed = parse_request(get, self.max_model_len, self.vocab_size)
+            parsed = parse_request(get, self.max_model_len, self.vocab_size, request_parameters(request))
         except ValueError as e:
+            self.engine.stats.count_rejected()
             self._register(entry)
             self._outbox.put((entry, _Error("INVALID_ARG", str(e))))
+            self._inbox.put(("rejected", None))  # the engine loop publishes the failure count
             return
         entry.state.request = parsed
         if not parsed.stream and not parsed.exclude_input_in_output:
@@ -129,6 +145,9 @@ class Orchestrator:
             )
         if self._stopping.is_set():  # the response thread may be gone: answer here
             self._send(entry, _Error("UNAVAILABLE", "the model is shutting down"))
+            return
+        if self.drain.draining:
+            self._send(entry, _Error("UNAVAILABLE", "the server is shutting down: not admitting new requests"))
             return
         self._register(entry)
         self._inbox.put(("add", entry))
@@ -158,6 +177,8 @@ class Orchestrator:
                     self._add(arg)
                 elif kind == "abort" and arg in self._in_engine:
                     self.engine.abort(arg)
+                elif kind == "rejected":
+                    self._last_publish = 0.0  # publish again, even in an idle period already published
             if self.engine.has_unfinished():
                 self._step()
             if not self.engine.has_unfinished():  # no next step to send them in
@@ -181,8 +202,8 @@ class Orchestrator:
         req = entry.state.request
         try:
             self.engine.add_request(entry.id, req.prompt, req.params)
-        except ValueError as e:  # prompt too long, max_tokens beyond the context, ...
-            self._outbox.put((entry, _Error("INVALID_ARG", str(e))))
+        except ValueError as e:  # prompt too long, max_tokens beyond the context, ... (the engine counts it)
+            self._outbox.put((entry, _Error("INVALID_ARG", name_prompt_error(req, e))))
             return
         self._in_engine.add(entry.id)
 
@@ -212,8 +233,9 @@ class Orchestrator:
         """After a failed step: answer every request in the engine with INTERNAL and abort it."""
         self._release_held()
         self.log.log_error(f"[lightspec] engine step failed: {traceback.format_exc()}")
+        code = "UNAVAILABLE" if is_unavailable(str(error)) else "INTERNAL"
         for rid in list(self._in_engine):
-            self._finish_with_error(rid, "INTERNAL", f"engine step failed: {error}")
+            self._finish_with_error(rid, code, f"engine step failed: {error}")
             # the engine may be unable to abort after a failure, which is logged above already
             with contextlib.suppress(Exception):
                 self.engine.abort(rid)
@@ -294,7 +316,10 @@ class Orchestrator:
             return True
         delta = payload
         if delta.finished and delta.finish_reason == "error":
-            return self._send(entry, _Error("INTERNAL", delta.error or "generation failed"))
+            code = "UNAVAILABLE" if is_unavailable(delta.error or "") else "INTERNAL"
+            return self._send(entry, _Error(code, delta.error or "generation failed"))
+        if delta.finished and entry.cancel_message:
+            return self._send(entry, _Error("CANCELLED", entry.cancel_message))
         if delta.finished and entry.shutting_down:
             return self._send(entry, _Error("UNAVAILABLE", "the model was unloaded before the request finished"))
         tensors = build_response(entry.state, delta)
@@ -308,12 +333,21 @@ class Orchestrator:
 
     def _watch_cancellation(self) -> None:
         while not self._stopping.wait(self.cancel_poll_s):
+            if self.drain.poll(self.num_in_flight()):
+                self._cancel_all("request cancelled: the server shut down (grace period over)")
             with self._live_lock:
                 entries = [e for e in self._live.values() if not e.abort_queued and not e.closed]
             for entry in entries:
                 if self._is_cancelled(entry):
                     entry.abort_queued = True
                     self._inbox.put(("abort", entry.id))
+
+    def _cancel_all(self, message: str) -> None:
+        with self._live_lock:
+            entries = [e for e in self._live.values() if not e.abort_queued and not e.closed]
+        for entry in entries:
+            entry.cancel_message, entry.abort_queued = message, True
+            self._inbox.put(("abort", entry.id))
 
     @staticmethod
     def _is_cancelled(entry: _Entry) -> bool:
@@ -340,7 +374,7 @@ class Orchestrator:
             if items:
                 observations = [o for _, obs in items for o in obs]
                 try:
-                    self.reporter.publish(items[-1][0], observations)
+                    self.reporter.publish({**items[-1][0], "server_restarts_total": self.restarts}, observations)
                 except Exception:  # noqa: BLE001 - metrics must never take the model down
                     self.log.log_error(f"[lightspec] publishing metrics failed: {traceback.format_exc()}")
             if stop:

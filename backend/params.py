@@ -25,6 +25,7 @@ class Role(str, Enum):
     TARGET = "target"  # stage: the target LM and its KV pool
     DRAFT = "draft"  # stage: the draft LM and its KV pool
     MTP = "mtp"  # stage: MTP heads (no KV)
+    BATCHED = "batched"  # max_batch_size 1 front for batched ([1, 1]) clients; forwards to the orchestrator
 
 
 # Engine stage name -> (parameter naming the Triton model, default model name). The MTP stage's
@@ -34,7 +35,9 @@ STAGE_MODEL_PARAMS = {
     "draft": ("draft_model", "lightspec_draft"),
 }
 MTP_STAGE_MODEL = "lightspec_mtp"  # the generated repository's MTP stage model (``mtp: lightspec_mtp``)
-BACKEND_PARAMS = ("role", "metrics", *(p for p, _ in STAGE_MODEL_PARAMS.values()))
+FRONT_TARGET_PARAM = ("orchestrator_model", "lightspec")  # the batched front's target model
+BACKEND_PARAMS = ("role", "metrics", FRONT_TARGET_PARAM[0], *(p for p, _ in STAGE_MODEL_PARAMS.values()))
+BACKEND_PARAMS += ("stage_timeout_s",)  # the orchestrator's deadline for one stage call (lightspec_backend.bls)
 ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 # Parameters that were folded into ``mtp``: a config that still sets them fails naming the new one.
 REPLACED_PARAMS = {"mtp_model": "mtp", "mtp_heads": "mtp", "fused_mtp": "mtp"}
@@ -51,6 +54,8 @@ class BackendConfig:
     engine: EngineConfig
     metrics: bool
     stage_models: dict[str, str]  # engine stage name ("target", "mtp", "draft") -> Triton model name
+    orchestrator_model: str = FRONT_TARGET_PARAM[1]  # role batched: the model it forwards to
+    stage_timeout_s: float = 30.0  # a stage call unanswered this long fails its step UNAVAILABLE
 
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls by BLS with this speculation method."""
@@ -176,7 +181,16 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     stage_models = {stage: params.get(param, "").strip() or default for stage, (param, default) in STAGE_MODEL_PARAMS.items()}
     if engine.mtp not in (LOCAL, FUSED):
         stage_models["mtp"] = engine.mtp
-    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models)
+    front_target = params.get(FRONT_TARGET_PARAM[0], "").strip() or FRONT_TARGET_PARAM[1]
+    timeout = params.get("stage_timeout_s", "").strip() or "30"
+    try:
+        stage_timeout_s = float(timeout)
+    except ValueError:
+        stage_timeout_s = -1.0
+    if not 0 < stage_timeout_s < 1e6:
+        raise _bad("stage_timeout_s", timeout, "expected a positive number of seconds")
+    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
+                         orchestrator_model=front_target, stage_timeout_s=stage_timeout_s)  # fmt: skip
 
 
 def check_checkpoints(config: BackendConfig) -> None:
@@ -191,6 +205,7 @@ def check_checkpoints(config: BackendConfig) -> None:
                       *([("mtp_dir", mtp, "mtp_config.json")] if config.loads_heads else [])],
         Role.MTP: [("model_dir", target, "config.json"), ("mtp_dir", mtp, "mtp_config.json")],
         Role.DRAFT: [("draft_dir", draft, "config.json")],
+        Role.BATCHED: [],  # loads no model: it forwards to the orchestrator
     }[role]
     for param, path, marker in needed:
         if not (Path(path) / marker).is_file():

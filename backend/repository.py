@@ -1,4 +1,5 @@
-"""Generate the model repository: the ``lightspec`` orchestrator and its three stage models.
+"""Generate the model repository: the ``lightspec`` orchestrator, its stage models, and the
+``lightspec_batched`` front for batched (TensorRT-LLM style, ``[1, 1]``) clients.
 
 The checked-in ``model_repository/`` is ``write_model_repository(dir)`` with no overrides (a test
 keeps them identical); tests and ``lightspec serve`` generate variants (another checkpoint, a smaller
@@ -19,6 +20,7 @@ from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, Role
 from .tensors import INPUTS, OUTPUTS, TensorSpec
 
 ORCHESTRATOR = "lightspec"
+BATCHED_FRONT = "lightspec_batched"
 BACKEND = "lightspec"
 
 # Stage tensors: datatype and dims per field of the stage dataclasses (a test checks the names). Every
@@ -137,6 +139,20 @@ def render_orchestrator(params: dict[str, str], name: str = ORCHESTRATOR) -> str
     )
 
 
+def render_front(name: str = BATCHED_FRONT, target: str = ORCHESTRATOR) -> str:
+    """The batched front: the orchestrator's tensors with a batch dimension (``max_batch_size: 1``,
+    no dynamic batching: each request is forwarded on its own)."""
+    return (
+        f"# LightSpec batched front: [1, 1]-shaped (TensorRT-LLM style) requests, forwarded to {target}.\n"
+        f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 1\n'
+        "model_transaction_policy { decoupled: true }\n"
+        + _tensor_block("input", INPUTS, True)
+        + _tensor_block("output", OUTPUTS, False)
+        + "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+        + _params_block({"role": Role.BATCHED.value, "orchestrator_model": target})
+    )
+
+
 def render_stage(role: Role, name: str, params: dict[str, str]) -> str:
     call_cls, result_cls = STAGE_IO[role]
     return (
@@ -151,10 +167,10 @@ def render_stage(role: Role, name: str, params: dict[str, str]) -> str:
 
 
 def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]:
-    """Model name -> config.pbtxt text, for the orchestrator and all three stages."""
+    """Model name -> config.pbtxt text, for the orchestrator, its stages and the batched front."""
     overrides = {k: str(v) for k, v in (overrides or {}).items()}
     orch = {**default_parameters(), **overrides}
-    out = {ORCHESTRATOR: render_orchestrator(orch)}
+    out = {ORCHESTRATOR: render_orchestrator(orch), BATCHED_FRONT: render_front()}
     for role, name in _stage_models(orch).items():
         # a stage's num_threads only from overrides: the orchestrator's default of 1 is its own
         shared = {k: v for k, v in orch.items() if k != "num_threads" or k in overrides}

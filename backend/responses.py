@@ -28,6 +28,7 @@ class RequestState:
     num_input_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # cumulative, as the engine keeps it
     # the outputs the client asked for (None: all). Building only those matters at high
     # concurrency: every streamed response's tensors are made under the interpreter lock
     wanted: frozenset[str] | None = None
@@ -37,6 +38,8 @@ class RequestState:
         self.num_input_tokens = max(self.num_input_tokens, delta.num_prompt_tokens)
         self.num_draft_tokens = max(self.num_draft_tokens, delta.num_draft_tokens)
         self.num_accepted_tokens = max(self.num_accepted_tokens, delta.num_accepted_tokens)
+        if delta.acceptance_histogram:
+            self.acceptance_histogram = delta.acceptance_histogram
         if not self.request.stream:
             self.text.append(delta.new_text)
             self.ids.extend(delta.new_token_ids)
@@ -66,6 +69,7 @@ def build_response(state: RequestState, delta: RequestDelta) -> dict[str, np.nda
         "total_draft_tokens": lambda: np.array([state.num_draft_tokens], dtype=np.int32),
         "total_accepted_draft_tokens": lambda: np.array([state.num_accepted_tokens], dtype=np.int32),
         "acceptance_rate": lambda: np.array([rate], dtype=np.float32),
+        "acceptance_histogram": lambda: np.array(state.acceptance_histogram, dtype=np.int32),
     }
     if req.return_num_input_tokens:
         make["num_input_tokens"] = lambda: np.array([state.num_input_tokens], dtype=np.uint32)

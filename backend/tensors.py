@@ -72,6 +72,30 @@ INPUTS = [
     ),
     TensorSpec("return_num_input_tokens", "BOOL", (1,), doc="default false; true adds `num_input_tokens`"),
     TensorSpec("return_num_output_tokens", "BOOL", (1,), doc="default false; true adds `num_output_tokens`"),
+    TensorSpec(
+        "min_tokens", "INT32", (1,), doc="default 0; EOS, `end_id` and stop strings cannot end the output earlier"
+    ),
+    # -- the vLLM backend's convention (see :mod:`.conventions`)
+    TensorSpec("sampling_parameters", "STRING", (1,), doc="vLLM backend: JSON object of vLLM SamplingParams keys"),
+    TensorSpec("return_finish_reason", "BOOL", (1,), doc="vLLM backend: accepted; `finish_reason` is always sent"),
+    TensorSpec("return_cumulative_logprob", "BOOL", (1,), doc="vLLM backend: only false (no log-probabilities)"),
+    TensorSpec("return_logprobs", "BOOL", (1,), doc="vLLM backend: only false (no log-probabilities)"),
+    # -- TensorRT-LLM's convention (ensemble / tensorrt_llm_bls inputs)
+    TensorSpec("random_seed", "UINT64", (1,), doc="TensorRT-LLM name of `seed`"),
+    TensorSpec("min_length", "INT32", (1,), doc="TensorRT-LLM name of `min_tokens`"),
+    TensorSpec("pad_id", "INT32", (1,), doc="TensorRT-LLM: accepted and unused (outputs are never padded)"),
+    TensorSpec("bad_words", "STRING", (-1,), doc="TensorRT-LLM: only empty"),
+    TensorSpec("beam_width", "INT32", (1,), doc="TensorRT-LLM: only 1"),
+    TensorSpec("num_return_sequences", "INT32", (1,), doc="TensorRT-LLM: only 1"),
+    TensorSpec("repetition_penalty", "FP32", (1,), doc="only 1"),
+    TensorSpec("presence_penalty", "FP32", (1,), doc="only 0"),
+    TensorSpec("frequency_penalty", "FP32", (1,), doc="only 0"),
+    TensorSpec("length_penalty", "FP32", (1,), doc="TensorRT-LLM: accepted; it only affects beam search"),
+    TensorSpec("return_log_probs", "BOOL", (1,), doc="TensorRT-LLM: only false"),
+    TensorSpec("return_context_logits", "BOOL", (1,), doc="TensorRT-LLM: only false"),
+    TensorSpec("return_generation_logits", "BOOL", (1,), doc="TensorRT-LLM: only false"),
+    TensorSpec("embedding_bias_words", "STRING", (-1,), doc="TensorRT-LLM: only empty"),
+    TensorSpec("embedding_bias_weights", "FP32", (-1,), doc="TensorRT-LLM: only empty"),
 ]
 
 OUTPUTS = [
@@ -87,6 +111,9 @@ OUTPUTS = [
     TensorSpec("total_draft_tokens", "INT32", (1,), doc="draft tokens proposed for this request so far"),
     TensorSpec("total_accepted_draft_tokens", "INT32", (1,), doc="of which the target accepted"),
     TensorSpec("acceptance_rate", "FP32", (1,), doc="accepted / proposed (0 when nothing was proposed)"),
+    TensorSpec(
+        "acceptance_histogram", "INT32", (-1,), doc="[j]: verify steps of this request that accepted exactly j drafts"
+    ),
 ]
 
 INPUT_SPECS = {s.name: s for s in INPUTS}

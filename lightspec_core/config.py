@@ -36,7 +36,9 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``num_draft_tokens`` caps speculation for this request
     (``None``: engine default, ``0``: no speculation). Higher ``priority`` is admitted first and
-    preempted last.
+    preempted last. Until ``min_tokens`` tokens are generated, the end tokens (EOS unless
+    ``ignore_eos``, and ``end_id``) are masked out of the target's distribution and stop strings
+    are not matched, as vLLM does.
     """
 
     max_tokens: int = 64
@@ -49,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     num_draft_tokens: int | None = None
     priority: int = 0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +64,8 @@ class SamplingParams:
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
         if self.top_k < 0:
             raise _bad("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise _bad("num_draft_tokens", self.num_draft_tokens, "must be >= 0")
         if self.seed is not None and self.seed < 0:

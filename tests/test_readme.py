@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PLACEHOLDER = re.compile(r"<(http|grpc|metrics) port>")
+PLACEHOLDER = re.compile(r"<(http|grpc|metrics|openai) port>")
 
 
 def section(title: str) -> str:
@@ -51,20 +51,27 @@ def test_library_example_runs_as_written():
 
 def test_quickstart_commands_name_what_exists():
     text = README.read_text()
-    assert "lightspec serve --http-port 0 --grpc-port 0 --metrics-port 0 --sample" in text
+    assert "lightspec serve --http-port 0 --grpc-port 0 --metrics-port 0 --openai-port 0 --sample" in text
     assert "bash .ci/run" in text and (README.parent / ".ci" / "run").is_file()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from lightspec_backend.launcher import TritonServer
+    from lightspec_backend.openai_api.command import OpenAIServer
 
     with TritonServer(ROOT / "model_repository", cache_dir=tmp_path_factory.mktemp("cache")) as srv:
-        yield srv
+        api = OpenAIServer(srv.grpc_url, port=0).start()
+        srv.openai_port = api.port
+        try:
+            yield srv
+        finally:
+            api.stop()
 
 
 def with_ports(text: str, server) -> str:
-    ports = {"http": server.http_port, "grpc": server.grpc_port, "metrics": server.metrics_port}
+    ports = {"http": server.http_port, "grpc": server.grpc_port, "metrics": server.metrics_port,
+             "openai": server.openai_port}
     return PLACEHOLDER.sub(lambda m: str(ports[m.group(1)]), text)
 
 
@@ -76,11 +83,20 @@ def run(cmd: list[str] | str, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.mark.triton
 def test_serving_python_client_streams_generated_text(server):
-    (code,) = code_blocks(section("Serving"), "python")
-    assert PLACEHOLDER.search(code), "the client example should connect to <grpc port>"
+    code = code_blocks(section("Serving"), "python")[0]
+    assert "<grpc port>" in code, "the client example should connect to <grpc port>"
     proc = run([sys.executable, "-c", with_ports(code, server)])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "the client printed no generated text"
+
+
+@pytest.mark.triton
+def test_serving_openai_example_prints_a_completion(server):
+    code = code_blocks(section("Serving"), "python")[1]
+    assert "<openai port>" in code and "from openai import OpenAI" in code
+    proc = run([sys.executable, "-c", with_ports(code, server)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), "the OpenAI example printed no completion"
 
 
 def check_generate(out: str) -> None:
@@ -95,7 +111,7 @@ def check_generate_stream(out: str) -> None:
 
 
 def check_metrics(out: str) -> None:
-    assert any(line.startswith("lightspec:") for line in out.splitlines()), out
+    assert any(line.startswith("vllm:") for line in out.splitlines()), out
 
 
 # endpoint -> check of a curl command's output; generate_stream before generate, which it contains

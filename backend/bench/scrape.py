@@ -1,7 +1,9 @@
 """The server's side of a run: the metrics endpoint scraped before and after it, and the differences.
 
-The ``lightspec:`` metrics give acceptance, draft tokens per step, scheduler decision time and stage
-latencies; Triton's own ``nv_inference_*`` counters give the target stage's compute time.
+The backend's metrics give acceptance, draft tokens per step, scheduler decision time and stage
+latencies; Triton's own ``nv_inference_*`` counters give the target stage's compute time. Every
+backend metric is read through :data:`NAMES` (short name -> exported name) and :data:`MODEL_LABEL`,
+so a renaming of the exported metrics changes this table only.
 """
 
 from __future__ import annotations
@@ -12,12 +14,33 @@ import time
 import urllib.request
 from collections import defaultdict
 
+from ..metrics import exported_name
 from .configs import TARGET_STAGE
 from .stats import histogram_quantile
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 Metrics = dict[tuple[str, frozenset], float]
+
+PREFIX = "lightspec:"
+MODEL_LABEL = "model_name"  # the label that names the orchestrator a sample belongs to (vLLM's)
+# short name (as this module uses it) -> the name the backend exports; histograms: the base name
+NAMES = {
+    n: exported_name(n)
+    for n in (
+        "spec_decode_num_steps_total",
+        "spec_decode_num_accepted_tokens_total",
+        "draft_tokens_per_step",
+        "scheduler_decision_seconds",
+        "scheduler_decision_cpu_seconds",
+        "num_preemptions_total",
+        "engine_steps_total",
+        "stage_latency_seconds",
+        "policy_draft_cost_seconds",
+        "request_success_total",
+        "request_failure_total",
+    )
+}
 
 SERVER_KEYS = (
     "mean_acceptance_length",
@@ -57,22 +80,33 @@ def scrape(url: str | None) -> Metrics | None:
         return None
 
 
-def _samples(metrics: Metrics, full_name: str, model: str, **labels: str) -> list[float]:
+def _samples(metrics: Metrics, full_name: str, model: str, model_label: str = "model", **labels: str) -> list[float]:
     """The values of metric ``full_name`` (prefix included) for ``model`` (and the given labels)."""
-    want = {("model", model), *labels.items()}
+    want = {(model_label, model), *labels.items()}
     return [v for (n, ls), v in metrics.items() if n == full_name and want <= ls]
 
 
+def _exported(name: str) -> str:
+    """``draft_tokens_per_step_sum`` -> its exported name, through :data:`NAMES` (suffixes kept)."""
+    for suffix in ("", "_sum", "_count", "_bucket"):
+        base = name.removesuffix(suffix) if suffix else name
+        if base in NAMES and (not suffix or name.endswith(suffix)):
+            return NAMES[base] + suffix
+    return PREFIX + name
+
+
 def metric(metrics: Metrics, name: str, model: str, **labels: str) -> float:
-    """Sum of the samples of ``lightspec:<name>`` for ``model`` (and the given labels)."""
-    return sum(_samples(metrics, "lightspec:" + name, model, **labels))
+    """Sum of the samples of the backend metric ``name`` (a :data:`NAMES` key, with ``_sum`` /
+    ``_count`` for a histogram's parts) for ``model`` (and the given labels)."""
+    return sum(_samples(metrics, _exported(name), model, MODEL_LABEL, **labels))
 
 
 def _buckets(metrics: Metrics, name: str, model: str) -> dict[float, float]:
     out: dict[float, float] = defaultdict(float)
+    full = _exported(name + "_bucket")
     for (n, ls), v in metrics.items():
         d = dict(ls)
-        if n == f"lightspec:{name}_bucket" and d.get("model") == model:
+        if n == full and d.get(MODEL_LABEL) == model:
             out[float(d["le"])] += v
     return out
 
@@ -127,7 +161,7 @@ def _stage_ms(delta, *stages: str) -> float | None:
 
 
 def _gauge_ms(metrics: Metrics, name: str, model: str) -> float | None:
-    found = _samples(metrics, "lightspec:" + name, model)
+    found = _samples(metrics, _exported(name), model, MODEL_LABEL)
     return 1000 * sum(found) if found else None
 
 

@@ -102,9 +102,23 @@ class LLMEngine:
 
     # ---- public API ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. A ``ValueError`` (prompt problems name the field ``prompt``) refuses it
+        and counts it as a failed request."""
         params = params or SamplingParams()
         if request_id in self.seqs:
             raise ValueError(f"request_id={request_id!r}: already in use")
+        try:
+            ids = self._checked_prompt(prompt, params)
+        except ValueError:
+            self.stats.count_rejected()
+            raise
+        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tok, ids),
+                       seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()), arrival=next(self._arrivals))
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.counters["prompt_tokens_total"] += len(ids)
+
+    def _checked_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         ids = self.tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt: empty prompt")
@@ -116,11 +130,7 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
                              f"context of {self.max_model_len} tokens")
-        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tok, ids),
-                       seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()), arrival=next(self._arrivals))
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
-        self.stats.counters["prompt_tokens_total"] += len(ids)
+        return ids
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; the next ``step()`` returns its final ``cancelled`` delta."""
@@ -209,6 +219,9 @@ class LLMEngine:
     # ---- launch: propose drafts and submit the target step --------------------------------------
     def _launch(self, plan: StepPlan) -> InFlight:
         t0 = time.perf_counter()
+        for it in plan.items:
+            if it.seq.t_scheduled is None:  # its queue time ends with its first step
+                it.seq.t_scheduled = t0
         tables = [self.blocks.table(it.seq.request_id) for it in plan.items]
         seqs = [it.seq for it in plan.items]
         props = self.proposer.propose(seqs, [it.k for it in plan.items], tables, [it.min_gain for it in plan.items])
@@ -240,7 +253,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a stage failure fails this micro-batch only; the engine goes on
             return [d for it in f.plan.items if (d := self._finish(it.seq, "error", f"stage failure: {e}"))]
         self._observe_target(f)
-        probs = target_probs(f, res.logits) if len(res.logits) else None
+        probs = target_probs(f, res.logits, self._eos) if len(res.logits) else None
         deltas = []
         for b, (it, pr, rows, lrows) in enumerate(zip(f.plan.items, f.proposals, f.rows, f.logit_rows)):
             seq = it.seq
@@ -274,7 +287,10 @@ class LLMEngine:
         """Verify one request's drafts, append what it gained (accepted drafts + the bonus token)."""
         drafts = pr.draft_ids[: it.k]
         if seq.params.greedy:
-            tokens = verify_greedy(drafts, res.top1_ids[rows].tolist())
+            # a greedy request below min_tokens has its rows as logits: the argmax with the end
+            # tokens masked (see mask_end_tokens)
+            top1 = probs.argmax(-1).tolist() if probs is not None else res.top1_ids[rows].tolist()
+            tokens = verify_greedy(drafts, top1)
         else:
             q = pr.q[: len(drafts)] if pr.q is not None else None
             tokens = verify_rejection(drafts, q, probs, seq.rng)
@@ -301,9 +317,10 @@ class LLMEngine:
             seq.token_ids.append(t)
             seq.text += seq.detok.push(t)
             self.stats.counters["generation_tokens_total"] += 1
-            if t == sp.end_id or (not sp.ignore_eos and t in eos):
+            may_end = seq.num_output > sp.min_tokens  # this token is output number min_tokens + 1 or later
+            if may_end and (t == sp.end_id or (not sp.ignore_eos and t in eos)):
                 return self._finish(seq, "stop")
-            if sp.stop and truncate_at_stop(seq):
+            if sp.stop and seq.num_output >= sp.min_tokens and truncate_at_stop(seq):
                 return self._finish(seq, "stop", flush=False)
             if seq.num_output >= sp.max_tokens:
                 return self._finish(seq, "length")
@@ -315,7 +332,8 @@ class LLMEngine:
             seq.t_first_token = now
             self.stats.observe("time_to_first_token_seconds", now - seq.t_arrival)
         elif seq.t_last_token is not None:
-            self.stats.observe("time_per_output_token_seconds", (now - seq.t_last_token) / n)
+            # per step, as vLLM counts it: the tokens of one step (accepted drafts) arrive together
+            self.stats.observe("inter_token_latency_seconds", now - seq.t_last_token)
         seq.t_last_token = now
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True) -> RequestDelta | None:
@@ -327,10 +345,21 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         self.seqs.pop(seq.request_id, None)
-        now = time.perf_counter()
-        self.stats.observe("e2e_request_latency_seconds", now - seq.t_arrival)
-        self.stats.counters["request_success_total" if reason in ("length", "stop") else "request_failure_total"] += 1
+        self._observe_finished(seq, reason)
         return take_delta(seq, finished=True)
+
+    def _observe_finished(self, seq: Sequence, reason: str) -> None:
+        """A finished request's times and sizes, as vLLM's request-level histograms define them."""
+        now, stats = time.perf_counter(), self.stats
+        stats.count_finished(reason)
+        stats.observe("e2e_request_latency_seconds", now - seq.t_arrival)
+        scheduled = seq.t_scheduled if seq.t_scheduled is not None else now
+        first = seq.t_first_token if seq.t_first_token is not None else now
+        stats.observe("request_queue_time_seconds", scheduled - seq.t_arrival)
+        stats.observe("request_prefill_time_seconds", max(0.0, first - scheduled))
+        stats.observe("request_decode_time_seconds", max(0.0, (seq.t_last_token or first) - first))
+        stats.observe("request_prompt_tokens", seq.prompt_len)
+        stats.observe("request_generation_tokens", seq.num_output)
 
     def _process_aborts(self) -> list[RequestDelta]:
         deltas = []
@@ -351,7 +380,7 @@ class LLMEngine:
         g = self.stats.gauges
         g["num_requests_running"] = len(self.scheduler.running)
         g["num_requests_waiting"] = len(self.scheduler.waiting)
-        g["kv_cache_usage_ratio"] = self.blocks.usage()
+        g["kv_cache_usage_ratio"] = self.blocks.usage()  # exported as vllm:kv_cache_usage_perc (a fraction)
         g["kv_cache_fragmentation_ratio"] = self.blocks.fragmentation()
         g["stage_inflight_calls"] = len(self._inflight)
         self.stats.counters["num_preemptions_total"] = self.scheduler.num_preemptions

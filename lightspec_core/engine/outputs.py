@@ -23,6 +23,8 @@ class RequestDelta:
     num_output_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # [j]: the request's verify steps with drafts that accepted exactly j (cumulative, like the counts)
+    acceptance_histogram: list[int] = field(default_factory=list)
 
 
 @dataclass

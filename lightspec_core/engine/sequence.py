@@ -53,6 +53,7 @@ class Sequence:
         self.num_draft = 0
         self.num_accepted = 0
         self.num_steps = 0
+        self.accept_hist: list[int] = []  # [j]: verify steps with drafts that accepted exactly j of them
         # per draft position j, decayed counts: times j was reached (drafts < j all accepted) and
         # times it was accepted; their ratio is the conditional acceptance rate the policy uses
         self.pos_reached: list[float] = []
@@ -64,6 +65,7 @@ class Sequence:
         self.sampled = params.temperature != 0.0
         # timing
         self.t_arrival = time.perf_counter()
+        self.t_scheduled: float | None = None  # first admitted to a step (queue time ends)
         self.t_first_token: float | None = None
         self.t_last_token: float | None = None
 
@@ -79,6 +81,16 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len:]
+
+    @property
+    def masks_end(self) -> bool:
+        """The next token may not be an end token yet (``min_tokens`` not reached)."""
+        return self.num_output < self.params.min_tokens
+
+    @property
+    def needs_logits(self) -> bool:
+        """This step's target rows must come back as logits: to sample, or to mask the end tokens."""
+        return not self.params.greedy or self.masks_end
 
     @property
     def is_decoding(self) -> bool:
@@ -99,6 +111,9 @@ class Sequence:
         self.num_accepted += accepted
         if drafted == 0:
             return
+        while len(self.accept_hist) <= accepted:
+            self.accept_hist.append(0)
+        self.accept_hist[accepted] += 1
         while len(self.pos_reached) < drafted:
             self.pos_reached.append(0.0)
             self.pos_accepted.append(0.0)

@@ -7,7 +7,11 @@ cannot grow memory).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+
+# How a request ended -> the ``finished_reason`` it is counted under (vLLM's FinishReason names).
+FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
 
 class RuntimeStats:
@@ -22,9 +26,11 @@ class RuntimeStats:
             "generation_tokens_total": 0,
             "prompt_tokens_total": 0,
             "engine_steps_total": 0,
-            "request_success_total": 0,
-            "request_failure_total": 0,
+            "request_failure_total": 0,  # engine errors; rejected requests are added in snapshot()
         }
+        self.finished = dict.fromkeys(FINISHED_REASONS.values(), 0)  # by vLLM finished_reason
+        self._rejected = 0  # requests refused as invalid, counted from any thread
+        self._rejected_lock = threading.Lock()
         self.accepted_per_pos = [0] * max(max_k, 1)
         self.drafted_per_pos = [0] * max(max_k, 1)
         self.gauges = {
@@ -38,6 +44,19 @@ class RuntimeStats:
 
     def observe(self, name: str, value: float, labels: dict | None = None) -> None:
         self._obs.append((name, float(value), labels or {}))
+
+    def count_finished(self, reason: str) -> None:
+        """A request ended: ``stop``/``length``/``cancelled`` count as finished, anything else failed."""
+        label = FINISHED_REASONS.get(reason)
+        if label is None:
+            self.counters["request_failure_total"] += 1
+        else:
+            self.finished[label] += 1
+
+    def count_rejected(self) -> None:
+        """A request refused before it ran (INVALID_ARG): counted as a failure. Thread-safe."""
+        with self._rejected_lock:
+            self._rejected += 1
 
     def observe_verification(self, drafted: int, accepted: int) -> None:
         c = self.counters
@@ -64,6 +83,9 @@ class RuntimeStats:
 
     def snapshot(self) -> dict:
         d: dict = dict(self.counters)
+        with self._rejected_lock:
+            d["request_failure_total"] += self._rejected
+        d["request_success_total"] = dict(self.finished)
         d.update(self.gauges)
         d["spec_decode_num_accepted_tokens_per_pos_total"] = list(self.accepted_per_pos)
         d["spec_decode_num_draft_tokens_per_pos_total"] = list(self.drafted_per_pos)

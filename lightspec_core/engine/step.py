@@ -54,12 +54,12 @@ def pack_step(plan: StepPlan, props: list[Proposal], tables: list[list[int]],
         pos += range(it.start, it.start + len(toks))
         qlens.append(len(toks))
         rows.append(list(range(base + it.num_new - 1, base + len(toks))) if it.samples else [])
-        flags += [not it.seq.params.greedy] * len(rows[-1])
+        flags += [it.seq.needs_logits] * len(rows[-1])
     out_rows, logit_rows, n, m = [], [], 0, 0  # rows relative to the returned outputs / logits
     for it, rr in zip(plan.items, rows):
         out_rows.append(list(range(n, n + len(rr))))
         n += len(rr)
-        sampled = not it.seq.params.greedy
+        sampled = it.seq.needs_logits
         logit_rows.append(list(range(m, m + len(rr))) if sampled else [])
         m += len(rr) if sampled else 0
     call = ModelCall(
@@ -74,12 +74,35 @@ def pack_step(plan: StepPlan, props: list[Proposal], tables: list[list[int]],
     return PackedStep(call, out_rows, logit_rows, len(qlens) * (max(pos) + 1))
 
 
-def target_probs(f: InFlight, logits: np.ndarray) -> np.ndarray:
+def end_ids(params, eos: frozenset[int]) -> list[int]:
+    """The tokens that end a request: the model's EOS unless ``ignore_eos``, and ``end_id``."""
+    ids = [] if params.ignore_eos else sorted(eos)
+    return ids + ([params.end_id] if params.end_id is not None and params.end_id not in ids else [])
+
+
+def mask_end_tokens(f: InFlight, logits: np.ndarray, eos: frozenset[int]) -> np.ndarray:
+    """Logits with the end tokens at -inf in every row that predicts an output position below the
+    request's ``min_tokens`` (row j of a request predicts output token ``num_output + j``).
+    Verification then compares drafts with this masked distribution, so it stays exact: a
+    drafted end token has target probability 0 there and is rejected."""
+    out = None
+    for it, lrows in zip(f.plan.items, f.logit_rows):
+        seq = it.seq
+        masked = [r for j, r in enumerate(lrows) if seq.num_output + j < seq.params.min_tokens]
+        ends = end_ids(seq.params, eos) if masked else []
+        if ends:
+            out = logits.copy() if out is None else out
+            out[np.ix_(masked, ends)] = -np.inf
+    return logits if out is None else out
+
+
+def target_probs(f: InFlight, logits: np.ndarray, eos: frozenset[int] = frozenset()) -> np.ndarray:
     """The target's distributions at every returned logits row, in one batched call (one per
-    request cost more than the verification itself on a mixed batch)."""
+    request cost more than the verification itself on a mixed batch); the end tokens masked
+    where ``min_tokens`` requires it (greedy rows become a one-hot on the masked argmax)."""
     params = [it.seq.params for it, lr in zip(f.plan.items, f.logit_rows) for _ in lr]
     return probs_from_logits(
-        torch.from_numpy(logits), torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.from_numpy(mask_end_tokens(f, logits, eos)), torch.tensor([p.temperature for p in params], dtype=torch.float32),
         torch.tensor([p.top_k for p in params], dtype=torch.int64),
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
     ).numpy()

@@ -49,4 +49,5 @@ def take_delta(seq: Sequence, finished: bool = False) -> RequestDelta | None:
         request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
         finish_reason=seq.finish_reason, error=seq.error, num_prompt_tokens=seq.prompt_len,
         num_output_tokens=seq.num_output, num_draft_tokens=seq.num_draft, num_accepted_tokens=seq.num_accepted,
+        acceptance_histogram=list(seq.accept_hist),
     )

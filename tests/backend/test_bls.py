@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
-from lightspec_backend.bls import BLSExecutor, StageError
+from lightspec_backend.bls import BLSExecutor, StageError, StageUnavailable, is_unavailable
 from lightspec_backend.params import Role
 from lightspec_backend.stage import StageModel
 
@@ -33,12 +36,14 @@ def stage_pb(cfg: EngineConfig) -> FakePbUtils:
 
 
 def config(smoke_model, speculation: str, mtp: str = "lightspec_mtp") -> EngineConfig:
-    return EngineConfig(model_dir=str(smoke_model / "target"), speculation=speculation, num_kv_blocks=BLOCKS,
-                        block_size=BLOCK, mtp=mtp)
+    return EngineConfig(
+        model_dir=str(smoke_model / "target"), speculation=speculation, num_kv_blocks=BLOCKS, block_size=BLOCK, mtp=mtp
+    )
 
 
-@pytest.mark.parametrize(("speculation", "mtp"), [("mtp", "lightspec_mtp"), ("mtp", "fused"), ("draft", "fused"),
-                                                  ("none", "fused")])
+@pytest.mark.parametrize(
+    ("speculation", "mtp"), [("mtp", "lightspec_mtp"), ("mtp", "fused"), ("draft", "fused"), ("none", "fused")]
+)
 def test_engine_over_bls_matches_in_process_engine(smoke_model, speculation, mtp):
     """Through BLS (the stage profile fetched from the stage, which took it) as in process."""
     cfg = config(smoke_model, speculation, mtp)
@@ -114,15 +119,28 @@ def test_stage_model_sets_torch_threads_by_call_size(smoke_model):
     target, _, _ = resolve_dirs(config(smoke_model, "none"))
     pb = FakePbUtils()
     calls = []
-    pb.models["t"] = StageModel(Role.TARGET, ModelRunner(target, BLOCKS, BLOCK), pb,
-                                threads=StageThreads(small=1, large=3, large_call_tokens=8), set_threads=calls.append)
+    pb.models["t"] = StageModel(
+        Role.TARGET,
+        ModelRunner(target, BLOCKS, BLOCK),
+        pb,
+        threads=StageThreads(small=1, large=3, large_call_tokens=8),
+        set_threads=calls.append,
+    )
     ex = BLSExecutor({"target": "t"}, pb)
 
     def step(n):
-        res = ex.submit("target", ModelCall(
-            np.arange(3, 3 + n, dtype=np.int64), np.arange(n, dtype=np.int64), np.array([n], np.int32),
-            np.arange(2, dtype=np.int32).reshape(1, 2), np.array([n - 1], np.int64), np.array([False]),
-            np.array([False]))).result()
+        res = ex.submit(
+            "target",
+            ModelCall(
+                np.arange(3, 3 + n, dtype=np.int64),
+                np.arange(n, dtype=np.int64),
+                np.array([n], np.int32),
+                np.arange(2, dtype=np.int32).reshape(1, 2),
+                np.array([n - 1], np.int64),
+                np.array([False]),
+                np.array([False]),
+            ),
+        ).result()
         assert res.top1_ids.shape == (1,)
 
     for n in (4, 5, 8, 20, 3):
@@ -141,9 +159,65 @@ def test_bls_futures_carry_the_time_the_stage_answered(smoke_model):
     pb.models["t"] = StageModel(Role.TARGET, ModelRunner(target, BLOCKS, BLOCK), pb)
     ex = BLSExecutor({"target": "t"}, pb)
     t0 = time.perf_counter()
-    fut = ex.submit("target", ModelCall(
-        np.arange(3, 7, dtype=np.int64), np.arange(4, dtype=np.int64), np.array([4], np.int32),
-        np.arange(2, dtype=np.int32).reshape(1, 2), np.array([3], np.int64), np.array([False]), np.array([False])))
+    fut = ex.submit(
+        "target",
+        ModelCall(
+            np.arange(3, 7, dtype=np.int64),
+            np.arange(4, dtype=np.int64),
+            np.array([4], np.int32),
+            np.arange(2, dtype=np.int32).reshape(1, 2),
+            np.array([3], np.int64),
+            np.array([False]),
+            np.array([False]),
+        ),
+    )
     assert fut.result().top1_ids.shape == (1,)
     assert t0 < fut.t_done <= time.perf_counter()
     ex.close()
+
+
+def _one_token_call() -> ModelCall:
+    one, zero = np.ones(1, np.int32), np.zeros(1, np.int64)
+    return ModelCall(zero, zero, one, np.zeros((1, 1), np.int32), zero, np.array([False]), np.array([False]))
+
+
+def test_dead_stage_stub_raises_stage_unavailable_and_reports_the_fault():
+    pb = FakePbUtils()
+    message = "Stub process 'lightspec_target_0_0' is not healthy."
+
+    class DeadStub:
+        def execute(self, requests):
+            return [pb.InferenceResponse(error=pb.TritonError(message, pb.TritonError.INTERNAL))]
+
+    pb.models["lightspec_target"] = DeadStub()
+    faults = []
+    ex = BLSExecutor({"target": "lightspec_target"}, pb, on_fault=lambda model, msg: faults.append((model, msg)))
+    with pytest.raises(StageUnavailable) as e:
+        ex.submit("target", _one_token_call()).result(timeout=10)
+    ex.close()
+    assert is_unavailable(str(e.value)) and "lightspec_target" in str(e.value) and message in str(e.value)
+    assert faults == [("lightspec_target", str(e.value))]
+
+
+def test_stage_call_past_the_stage_timeout_raises_stage_unavailable():
+    pb = FakePbUtils()
+    release = threading.Event()
+
+    class Stalled:
+        def execute(self, requests):
+            release.wait(10)
+            return [pb.InferenceResponse(error=pb.TritonError("late", pb.TritonError.INTERNAL))]
+
+    pb.models["lightspec_target"] = Stalled()
+    faults = []
+    ex = BLSExecutor({"target": "lightspec_target"}, pb, stage_timeout_s=0.2, on_fault=lambda m, msg: faults.append(m))
+    t0 = time.monotonic()
+    with pytest.raises(StageUnavailable, match=r"no answer in 0.2 s"):
+        ex.submit("target", _one_token_call()).result(timeout=10)
+    assert time.monotonic() - t0 < 2 and faults == ["lightspec_target"]
+    release.set()  # the late answer is dropped, not raised anywhere
+    ex.close()
+
+
+def test_stage_error_that_is_not_a_dead_stub_stays_internal():
+    assert not is_unavailable("stage failure: stage model 'lightspec_target': out of memory")

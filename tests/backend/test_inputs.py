@@ -98,3 +98,129 @@ def test_invalid_input_error_names_the_tensor(tensors, starts):
 
 def test_no_context_check_without_a_model_length():
     assert parse_request(getter(text_input="a", max_tokens=10_000)).params.max_tokens == 10_000
+
+
+# ---- the vLLM backend's convention ----------------------------------------------------------------
+
+
+def test_sampling_parameters_json_with_numbers_written_as_strings():
+    sp = '{"max_tokens": "12", "temperature": "0.7", "top_p": 0.9, "top_k": "-1", "seed": "7", "min_tokens": 3,' \
+         ' "ignore_eos": "true", "stop": "\\n\\n", "n": 1, "best_of": "1", "presence_penalty": 0}'  # fmt: skip
+    p = parse_request(getter(text_input="x", sampling_parameters=sp)).params
+    assert (p.max_tokens, p.top_k, p.seed, p.min_tokens, p.ignore_eos, p.stop) == (12, 0, 7, 3, True, ["\n\n"])
+    assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    ("sp", "fragment"),
+    [
+        ('{"max_tokens": 4, "temprature": 0.5}', "sampling_parameters: temprature: unknown key"),
+        ('{"n": 2}', "sampling_parameters: n=2: not supported"),
+        ('{"repetition_penalty": 1.2}', "sampling_parameters: repetition_penalty=1.2: not supported"),
+        ('{"logprobs": 1}', "sampling_parameters: logprobs=1: not supported"),
+        ('{"max_tokens": "many"}', "sampling_parameters: max_tokens='many': expected an integer"),
+        ('{"max_tokens": 0}', "sampling_parameters: max_tokens=0"),
+        ('{"ignore_eos": "maybe"}', "sampling_parameters: ignore_eos='maybe': expected true or false"),
+        ("[1, 2]", "sampling_parameters: expected a JSON object"),
+        ('{"max_tokens": ', "sampling_parameters: invalid JSON"),
+    ],
+)
+def test_sampling_parameters_refuses_by_key(sp, fragment):
+    with pytest.raises(ValueError) as e:
+        parse_request(getter(text_input="x", sampling_parameters=sp))
+    assert str(e.value).startswith(fragment), str(e.value)
+
+
+def test_a_field_given_as_tensor_and_in_sampling_parameters_is_refused():
+    with pytest.raises(ValueError, match=r"^sampling_parameters: max_tokens is also given by max_tokens"):
+        parse_request(getter(text_input="x", max_tokens=3, sampling_parameters='{"max_tokens": 4}'))
+
+
+def test_request_parameters_take_vllm_keys_and_refuse_unknown_ones_by_name():
+    r = parse_request(getter(text_input="x"), parameters='{"max_tokens": 5, "stop": ["a"]}')
+    assert r.params.max_tokens == 5 and r.params.stop == ["a"]
+    with pytest.raises(ValueError, match=r"^max_token: unknown key"):
+        parse_request(getter(text_input="x"), parameters={"max_token": 5})
+
+
+def test_vllm_backend_flags():
+    r = parse_request(getter(text_input="x", return_finish_reason=True, return_cumulative_logprob=False))
+    assert r.params.max_tokens == 64
+    for flag in ("return_cumulative_logprob", "return_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{flag}=True: not supported"):
+            parse_request(getter(text_input="x", **{flag: True}))
+
+
+# ---- TensorRT-LLM's convention -----------------------------------------------------------------------
+
+
+def batched(**tensors):
+    """Every input with a leading batch dimension of 1, as a TensorRT-LLM client sends them."""
+    return getter(**{k: input_array(k, v)[None, ...] for k, v in tensors.items()})
+
+
+def test_trtllm_inputs_with_batch_shapes():
+    get = batched(text_input="def f():", max_tokens=6, bad_words=[], stop_words=["\n"], end_id=2, pad_id=2,
+                  top_k=1, top_p=1.0, temperature=0.0, random_seed=11, min_length=2, beam_width=1,
+                  num_return_sequences=1, stream=True, return_log_probs=False, length_penalty=1.0,
+                  repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)  # fmt: skip
+    assert get("max_tokens").shape == (1, 1) and get("stop_words").shape == (1, 1)
+    r = parse_request(get)
+    p = r.params
+    assert r.prompt == "def f():" and r.stream
+    assert (p.max_tokens, p.stop, p.end_id, p.top_k, p.seed, p.min_tokens) == (6, ["\n"], 2, 1, 11, 2)
+
+
+def test_input_ids_with_batch_shape():
+    assert parse_request(batched(input_ids=[5, 6, 7])).prompt == [5, 6, 7]
+    with pytest.raises(ValueError, match=r"^input_ids: expected shape \[N\] or \[1, N\]"):
+        parse_request(getter(input_ids=np.array([[5, 6], [7, 8]], np.int64)))
+
+
+@pytest.mark.parametrize(
+    ("tensors", "fragment"),
+    [
+        ({"beam_width": 2}, "beam_width=2: not supported"),
+        ({"num_return_sequences": 3}, "num_return_sequences=3: not supported"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
+        ({"presence_penalty": 0.5}, "presence_penalty=0.5"),
+        ({"return_log_probs": True}, "return_log_probs=True"),
+        ({"return_generation_logits": True}, "return_generation_logits=True"),
+        ({"bad_words": ["foo"]}, "bad_words: not supported"),
+        ({"seed": 1, "random_seed": 2}, "random_seed: give either seed or random_seed"),
+        ({"min_tokens": 1, "min_length": 2}, "min_length: give either min_tokens or min_length"),
+        ({"min_length": 100, "max_tokens": 10}, "min_length=100: must be an integer in [0, max_tokens=10]"),
+    ],
+)
+def test_trtllm_inputs_that_cannot_be_honoured_are_refused_by_name(tensors, fragment):
+    with pytest.raises(ValueError) as e:
+        parse_request(batched(text_input="x", **tensors))
+    assert str(e.value).startswith(fragment), str(e.value)
+
+
+def test_scalars_take_shape_one_or_one_by_one_only():
+    with pytest.raises(ValueError, match=r"^max_tokens: expected exactly one element \(shape \[1\] or \[1, 1\]\)"):
+        parse_request(getter(text_input="x", max_tokens=np.array([[1, 2]], np.int32)))
+
+
+def test_prompt_errors_from_the_engine_name_the_input_that_carried_the_prompt():
+    from lightspec_backend.inputs import name_prompt_error
+
+    ids = parse_request(getter(input_ids=[1, 2]))
+    text = parse_request(getter(text_input="x"))
+    err = ValueError("prompt: 3000 tokens, the context holds 2048")
+    assert name_prompt_error(ids, err) == "input_ids: 3000 tokens, the context holds 2048"
+    assert name_prompt_error(text, err).startswith("text_input: 3000 tokens")
+    assert name_prompt_error(text, ValueError("max_tokens=9: x")) == "max_tokens=9: x"
+
+
+def test_empty_word_lists_mean_none_as_in_tensorrt_llm():
+    r = parse_request(batched(text_input="x", stop_words=[""], bad_words=[""], embedding_bias_words=[""]))
+    assert r.params.stop == []
+
+
+def test_stream_as_a_request_parameter():
+    assert parse_request(getter(text_input="x"), parameters={"stream": "true"}).stream
+    assert not parse_request(getter(text_input="x"), parameters={"stream": False}).stream
+    with pytest.raises(ValueError, match=r"^stream: given both"):
+        parse_request(getter(text_input="x", stream=True), parameters={"stream": True})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,24 @@ def test_server_command_uses_given_ports(wheel_install, tmp_path):
 def test_missing_repository_is_reported():
     with pytest.raises(FileNotFoundError, match="model_repository"):
         TritonServer("/nonexistent/repo")
+
+
+def test_each_server_names_its_shared_memory_with_its_own_prefix(wheel_install, tmp_path):
+    a, b = TritonServer(ROOT / "model_repository"), TritonServer(ROOT / "model_repository")
+    assert a.shm_prefix != b.shm_prefix
+    assert f"--backend-config=python,shm-region-prefix-name={a.shm_prefix}" in a.command(tmp_path)
+
+
+def test_remove_shm_regions_removes_only_the_prefix():
+    from lightspec_backend.launcher import remove_shm_regions
+
+    prefix = f"lightspec_test_{os.getpid()}_"
+    mine, other = Path("/dev/shm") / f"{prefix}a", Path("/dev/shm") / f"lightspec_other_{os.getpid()}"
+    try:
+        mine.write_bytes(b"x")
+        other.write_bytes(b"x")
+        assert remove_shm_regions(prefix) == [mine.name]
+        assert not mine.exists() and other.exists()
+    finally:
+        for p in (mine, other):
+            p.unlink(missing_ok=True)

@@ -6,7 +6,7 @@ from lightspec_backend.metrics import MetricsReporter
 
 from tests.fakes import FakeMetricFamily, FakePbUtils
 
-LABELS = {"model": "lightspec", "version": "1"}
+LABELS = {"model_name": "lightspec", "engine": "0"}
 
 
 def snapshot(**kw):
@@ -33,14 +33,15 @@ def test_counters_gauges_and_positions():
         [],
     )
     fam = pb.families
-    assert fam["lightspec:spec_decode_num_draft_tokens_total"].kind == FakeMetricFamily.COUNTER
-    assert pb.metric_value("lightspec:spec_decode_num_draft_tokens_total") == 15
-    assert pb.metric_value("lightspec:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 5
-    assert pb.metric_value("lightspec:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
-    assert fam["lightspec:num_requests_running"].kind == FakeMetricFamily.GAUGE
-    assert pb.metric_value("lightspec:num_requests_running") == 0
-    assert pb.metric_value("lightspec:kv_cache_usage_ratio") == 0.25
-    assert all(m.labels["model"] == "lightspec" for f in fam.values() for m in f.metrics)
+    assert fam["vllm:spec_decode_num_draft_tokens_total"].kind == FakeMetricFamily.COUNTER
+    assert pb.metric_value("vllm:spec_decode_num_draft_tokens_total") == 15
+    assert pb.metric_value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 5
+    assert pb.metric_value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
+    assert fam["vllm:num_requests_running"].kind == FakeMetricFamily.GAUGE
+    assert pb.metric_value("vllm:num_requests_running") == 0
+    assert pb.metric_value("vllm:kv_cache_usage_perc") == 0.25
+    assert fam["lightspec:mean_acceptance_length"].kind == FakeMetricFamily.GAUGE  # vLLM has no such gauge
+    assert all(m.labels["model_name"] == "lightspec" for f in fam.values() for m in f.metrics)
 
 
 def test_counter_never_decreases():
@@ -48,7 +49,7 @@ def test_counter_never_decreases():
     r = MetricsReporter(pb, LABELS)
     r.publish({"generation_tokens_total": 7}, [])
     r.publish({"generation_tokens_total": 3}, [])  # a restarted engine must not make Triton's counter go down
-    assert pb.metric_value("lightspec:generation_tokens_total") == 7
+    assert pb.metric_value("vllm:generation_tokens_total") == 7
 
 
 def test_observations_become_histograms_with_labels():
@@ -74,3 +75,45 @@ def test_non_numeric_snapshot_values_are_skipped():
     pb = FakePbUtils()
     MetricsReporter(pb, LABELS).publish({"name": "x", "flag": True}, [])
     assert pb.families == {}
+
+
+def test_vllm_names_for_vllm_quantities_and_no_old_duplicates():
+    pb = FakePbUtils()
+    r = MetricsReporter(pb, LABELS, max_model_len=100)
+    r.publish(
+        {"request_success_total": {"stop": 2, "length": 1, "abort": 0}, "request_failure_total": 3,
+         "spec_decode_num_steps_total": 4, "prompt_tokens_total": 9},
+        [("inter_token_latency_seconds", 0.02, {}), ("request_generation_tokens", 7, {}),
+         ("time_to_first_token_seconds", 0.1, {})],
+    )  # fmt: skip
+    assert pb.metric_value("vllm:request_success_total", finished_reason="stop") == 2
+    assert pb.metric_value("vllm:request_success_total", finished_reason="length") == 1
+    assert pb.metric_value("lightspec:request_failure_total") == 3
+    assert pb.metric_value("vllm:spec_decode_num_drafts_total") == 4
+    assert pb.metric_value("vllm:prompt_tokens_total") == 9
+    assert pb.families["vllm:inter_token_latency_seconds"].kind == FakeMetricFamily.HISTOGRAM
+    # vLLM's buckets: 1-2-5 up to the context length for token counts, its TTFT list for latency
+    assert pb.families["vllm:request_generation_tokens"].metrics[0].buckets == [1, 2, 5, 10, 20, 50, 100]
+    assert pb.families["vllm:time_to_first_token_seconds"].metrics[0].buckets[:3] == [0.001, 0.005, 0.01]
+    assert not [
+        n
+        for n in pb.families
+        if n.startswith("lightspec:")
+        and n[len("lightspec:") :]
+        in ("spec_decode_num_steps_total", "request_success_total", "kv_cache_usage_ratio", "num_requests_running")
+    ]
+
+
+def test_grafana_dashboard_reads_only_exported_metrics():
+    import json
+    import re
+    from pathlib import Path
+
+    from lightspec_backend.metrics import DESCRIPTIONS, HISTOGRAM_BUCKETS, exported_name
+
+    dash = json.loads((Path(__file__).parents[2] / "docs" / "grafana" / "lightspec.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b((?:vllm|lightspec):[a-z0-9_]+)", e)}
+    stats = set(DESCRIPTIONS) | set(HISTOGRAM_BUCKETS) | {"request_prompt_tokens", "request_generation_tokens"}
+    exported = {exported_name(s) + sfx for s in stats for sfx in ("", "_bucket", "_sum", "_count")}
+    assert used and used <= exported, used - exported

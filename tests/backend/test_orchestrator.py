@@ -8,7 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from lightspec_backend.bls import StageUnavailable
 from lightspec_backend.client import input_array
+from lightspec_backend.control import ControlDir
 from lightspec_backend.metrics import MetricsReporter
 from lightspec_backend.orchestrator import Orchestrator
 
@@ -110,7 +112,7 @@ def test_prompt_too_long_is_invalid_arg_from_the_engine(served, engine):
     orch.submit(r)
     assert r.sender.wait_final(10)
     err = r.sender.final.error()
-    assert err.code() == pb.TritonError.INVALID_ARG and err.message().startswith("prompt")
+    assert err.code() == pb.TritonError.INVALID_ARG and err.message().startswith("input_ids: ")
 
 
 def test_cancel_frees_the_request_and_zeroes_gauges(served, engine):
@@ -126,9 +128,9 @@ def test_cancel_frees_the_request_and_zeroes_gauges(served, engine):
     assert last["finish_reason"][0] == b"cancelled"
     time.sleep(0.2)
     assert not engine.has_unfinished()
-    assert pb.metric_value("lightspec:num_requests_running") == 0
-    assert pb.metric_value("lightspec:kv_cache_usage_ratio") == 0
-    assert pb.metric_value("lightspec:generation_tokens_total") > 0
+    assert pb.metric_value("vllm:num_requests_running") == 0
+    assert pb.metric_value("vllm:kv_cache_usage_perc") == 0
+    assert pb.metric_value("vllm:generation_tokens_total") > 0
 
 
 def test_step_failure_fails_in_flight_requests_and_keeps_serving(served, engine, monkeypatch):
@@ -167,3 +169,66 @@ def test_shutdown_answers_in_flight_requests(engine):
     orch.submit(late)  # after finalize began: answered, not dropped
     assert late.sender.wait_final(1)
     assert late.sender.final.error().code() == pb.TritonError.UNAVAILABLE
+
+
+def test_step_failure_of_a_dead_stage_is_unavailable_naming_it(served, engine, monkeypatch):
+    orch, pb = served
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def dead_stage_step(on_launched=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise StageUnavailable("stage model 'lightspec_target' unavailable: Stub process is not healthy.")
+        return real_step(on_launched)
+
+    monkeypatch.setattr(engine, "step", dead_stage_step)
+    first = request(text_input="a = 1", max_tokens=50, ignore_eos=True)
+    orch.submit(first)
+    assert first.sender.wait_final(30)
+    assert first.sender.final.error().code() == pb.TritonError.UNAVAILABLE
+    assert "lightspec_target" in first.sender.final.error().message()
+
+
+def test_drain_refuses_new_requests_finishes_in_flight_and_marks_drained(engine, tmp_path):
+    pb, control = FakePbUtils(), ControlDir(tmp_path)
+    control.reset()
+    orch = Orchestrator(engine, pb, None, cancel_poll_s=0.01, control=control)
+    try:
+        running = request(text_input="x = 1", max_tokens=30, ignore_eos=True, stream=True)
+        orch.submit(running)
+        control.request_drain(grace_s=60)
+        time.sleep(0.1)  # a few watcher polls
+        late = request(text_input="late", max_tokens=4)
+        orch.submit(late)
+        assert late.sender.wait_final(5)
+        assert late.sender.final.error().code() == pb.TritonError.UNAVAILABLE
+        assert "shutting down" in late.sender.final.error().message()
+        assert running.sender.wait_final(60) and not running.sender.final.has_error()
+        assert sum(len(d["output_ids"]) for d in running.sender.data()) == 30
+        deadline = time.monotonic() + 5
+        while not control.is_drained() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert control.is_drained()
+    finally:
+        orch.shutdown(timeout_s=10)
+
+
+def test_drain_deadline_cancels_what_is_still_running(engine, tmp_path):
+    pb, control = FakePbUtils(), ControlDir(tmp_path)
+    control.reset()
+    orch = Orchestrator(engine, pb, None, cancel_poll_s=0.01, control=control)
+    try:
+        reqs = [request(text_input=f"x{i}", max_tokens=900, ignore_eos=True, stream=True) for i in range(3)]
+        for r in reqs:
+            orch.submit(r)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        control.request_drain(grace_s=0.3)
+        for r in reqs:
+            assert r.sender.wait_final(5) and len(finals(r)) == 1
+            assert r.sender.final.error().code() == pb.TritonError.CANCELLED
+        assert time.monotonic() - t0 < 3
+        assert engine.stats.snapshot()["kv_cache_usage_ratio"] == 0
+    finally:
+        orch.shutdown(timeout_s=10)

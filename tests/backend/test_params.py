@@ -160,7 +160,8 @@ def test_local_mtp_runs_in_the_orchestrator_and_needs_no_stage_model():
 
     cfg = parse_backend_config({"mtp": "local", "speculation": "mtp"})
     assert cfg.stages_in_use() == ["target"] and cfg.local_stage("mtp")
-    assert set(render_repository({"mtp": "local"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
+    assert set(render_repository({"mtp": "local"})) == {"lightspec", "lightspec_target", "lightspec_draft",
+                                                    "lightspec_batched"}
     assert parse_backend_config({"speculation": "mtp", "mtp": "lightspec_mtp"}).stages_in_use() == ["target", "mtp"]
     assert parse_backend_config({"speculation": "mtp"}).stages_in_use() == ["target"]  # fused: the default
 
@@ -174,7 +175,8 @@ def test_fused_mtp_loads_the_heads_into_the_target_stage(tmp_path, smoke_model):
     cfg = parse_backend_config({"mtp": "fused", "speculation": "mtp"})
     assert cfg.engine.fused_mtp and cfg.fused and cfg.local_stage("mtp") and cfg.stages_in_use() == ["target"]
     assert not parse_backend_config({"mtp": "local"}).engine.fused_mtp
-    assert set(render_repository({"mtp": "fused"})) == {"lightspec", "lightspec_target", "lightspec_draft"}
+    assert set(render_repository({"mtp": "fused"})) == {"lightspec", "lightspec_target", "lightspec_draft",
+                                                    "lightspec_batched"}
     repo = write_model_repository(tmp_path / "fused", {"mtp": "fused", "model_dir": str(smoke_model / "target")})
     target = parse_backend_config(read_config_parameters(repo / "lightspec_target" / "config.pbtxt"), base_dir=repo)
     assert target.loads_heads

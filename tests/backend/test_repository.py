@@ -72,7 +72,13 @@ def test_stage_tensor_tables_match_the_stage_dataclasses():
 def test_overrides_reach_the_stages_that_use_them(tmp_path):
     repo = write_model_repository(
         tmp_path,
-        {"model_dir": "/ckpt/target", "num_kv_blocks": 48, "num_threads": 1, "target_model": "big", "mtp": "lightspec_mtp"},
+        {
+            "model_dir": "/ckpt/target",
+            "num_kv_blocks": 48,
+            "num_threads": 1,
+            "target_model": "big",
+            "mtp": "lightspec_mtp",
+        },
     )
     target = read_config_parameters(repo / "big" / "config.pbtxt")
     assert target["role"] == "target" and target["num_kv_blocks"] == "48" and target["model_dir"] == "/ckpt/target"
@@ -105,3 +111,21 @@ def test_orchestrator_runs_one_torch_thread_and_stages_leave_it_a_core():
     fixed = stage_threads(2, 2)  # an explicit setting wins for every call, even one that oversubscribes
     assert (fixed.for_call(1), fixed.for_call(1000)) == (2, 2)
     assert 1 <= available_cpus() <= (os.cpu_count() or 1)
+
+
+def test_batched_front_declares_the_same_tensors_with_a_batch_dimension():
+    cfg = parse(render_repository()["lightspec_batched"])
+    assert cfg.backend == "lightspec" and cfg.max_batch_size == 1 and cfg.model_transaction_policy.decoupled
+    assert not cfg.HasField("dynamic_batching")  # each request forwarded on its own
+    assert [(i.name, list(i.dims)) for i in cfg.input] == [(s.name, list(s.dims)) for s in INPUTS]
+    assert [o.name for o in cfg.output] == [s.name for s in OUTPUTS]
+    assert all(i.optional for i in cfg.input)
+    assert cfg.parameters["role"].string_value == "batched"
+    assert cfg.parameters["orchestrator_model"].string_value == "lightspec"
+
+
+def test_trtllm_and_vllm_backend_inputs_are_declared_optional():
+    names = {i.name: i for i in parse(render_repository()["lightspec"]).input}
+    for name in ("sampling_parameters", "min_tokens", "min_length", "random_seed", "beam_width", "bad_words",
+                 "num_return_sequences", "pad_id", "return_log_probs", "repetition_penalty"):  # fmt: skip
+        assert names[name].optional, name

@@ -103,4 +103,16 @@ def test_only_the_requested_outputs_are_built():
         "total_draft_tokens",
         "total_accepted_draft_tokens",
         "acceptance_rate",
+        "acceptance_histogram",
     } == set(everything)
+
+
+def test_acceptance_histogram_is_the_latest_cumulative_one():
+    """The engine's per-request histogram (index j: verify steps that accepted exactly j drafts) is
+    cumulative; a delta without one (an error or cancel delta) keeps the last."""
+    s = state(stream=True)
+    first = build_response(s, RequestDelta("r", [10], "a", num_draft_tokens=2, acceptance_histogram=[1, 1]))
+    assert first["acceptance_histogram"].tolist() == [1, 1]
+    last = build_response(s, RequestDelta("r", [], "", finished=True, finish_reason="cancelled"))
+    assert last["acceptance_histogram"].tolist() == [1, 1]
+    assert build_response(state(stream=True), deltas()[0])["acceptance_histogram"].tolist() == []

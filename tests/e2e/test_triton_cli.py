@@ -4,6 +4,7 @@ before it starts any tritonserver."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from lightspec_backend import cli
 from lightspec_backend.client import grpc_inputs, is_final
 from lightspec_backend.launcher import TritonServer
 
-PORTS = ["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+PORTS = ["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0"]
 
 
 def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
@@ -54,6 +56,8 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly(smoke_model, tmp_path, 
         "0",
         "--metrics-port",
         "0",
+        "--openai-port",
+        "0",
         "--set",
         "num_kv_blocks=32",
         "--set",
@@ -72,9 +76,14 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly(smoke_model, tmp_path, 
         server_pid = int(re.search(r"tritonserver pid (\d+)", out).group(1))
         assert cli.main(["generate", "def f(x):", "--url", grpc_url, "--max-tokens", "4"]) == 0
         assert "4 tokens in" in capsys.readouterr().err
+        openai_url = re.search(r"OpenAI\s+(http://\S+/v1)", out).group(1)  # on by default, beside Triton
+        with urllib.request.urlopen(f"{openai_url}/models", timeout=30) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["lightspec"]
         proc.send_signal(sig)
         assert proc.wait(90) == 0
         assert not Path(f"/proc/{server_pid}").exists()
+        with pytest.raises(OSError):  # the API stopped with the server
+            urllib.request.urlopen(f"{openai_url}/models", timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()

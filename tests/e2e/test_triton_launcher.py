@@ -28,19 +28,20 @@ def test_stop_after_a_server_crash_leaves_no_stub_processes(tmp_path, smoke_mode
     import os
     import signal
 
-    from lightspec_backend.launcher import _orphaned_stubs
     from lightspec_backend.repository import write_model_repository
 
-    repo = write_model_repository(tmp_path / "repo", {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "8", "mtp": "lightspec_mtp"})
+    repo = write_model_repository(
+        tmp_path / "repo", {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "8", "mtp": "lightspec_mtp"}
+    )
     server = TritonServer(repo, cache_dir=tmp_path / "cache").start(timeout_s=300)
     try:
-        stubs = _orphaned_stubs(server.pid)
-        assert len(stubs) == 4  # one stub process per model
-        regions = {r for rs in stubs.values() for r in rs}
-        assert regions and all((Path("/dev/shm") / r).exists() for r in regions)
+        models = len(list(repo.glob("*/config.pbtxt")))
+        stubs = server.stubs()
+        assert len(stubs) == models and all(s.alive for s in stubs)  # one stub process per model
+        assert len(list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))) == models  # one region per stub
         os.kill(server.pid, signal.SIGKILL)  # a crash: the stubs ignore SIGTERM and outlive the server
         server.process.wait(30)
     finally:
         server.stop()
-    assert _orphaned_stubs(server.pid) == {}
-    assert not any((Path("/dev/shm") / r).exists() for r in regions)
+    assert not [s for s in server.stubs() if s.alive]
+    assert not list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))

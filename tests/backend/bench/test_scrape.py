@@ -9,15 +9,15 @@ from lightspec_backend.bench.scrape import finished_requests, parse_metrics, ser
 
 def _exposition(model: str, steps: int, accepted: int, k_sum: float, k_count: int, sched: list[int],
                 cpu: list[int] | None = None) -> str:  # fmt: skip
-    labels = f'model="{model}",version="1"'
+    labels = f'model_name="{model}",engine="0"'
     lines = [
-        "# TYPE lightspec:spec_decode_num_steps_total counter",
-        f"lightspec:spec_decode_num_steps_total{{{labels}}} {steps}",
-        f"lightspec:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}",
-        'lightspec:spec_decode_num_accepted_tokens_total{model="other",version="1"} 999',
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        f"vllm:spec_decode_num_drafts_total{{{labels}}} {steps}",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}",
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="other",engine="0"} 999',
         f"lightspec:draft_tokens_per_step_sum{{{labels}}} {k_sum}",
         f"lightspec:draft_tokens_per_step_count{{{labels}}} {k_count}",
-        f"lightspec:num_preemptions_total{{{labels}}} 0",
+        f"vllm:num_preemptions_total{{{labels}}} 0",
     ]
     for le, n in zip(["0.0001", "0.001", "+Inf"], sched):
         lines.append(f'lightspec:scheduler_decision_seconds_bucket{{{labels},le="{le}"}} {n}')
@@ -51,15 +51,15 @@ def test_server_stats_split_a_step_into_stage_calls():
     """Mean target and propose stage latency per call and the engine's step count, as differences."""
 
     def expo(steps, tgt_sum, tgt_n, mtp_sum, mtp_n):
-        lab = 'model="m",version="1"'
+        lab = 'model_name="m",engine="0"'
         return "\n".join([
             f"lightspec:engine_steps_total{{{lab}}} {steps}",
             f'lightspec:stage_latency_seconds_sum{{{lab},stage="target"}} {tgt_sum}',
             f'lightspec:stage_latency_seconds_count{{{lab},stage="target"}} {tgt_n}',
             f'lightspec:stage_latency_seconds_sum{{{lab},stage="mtp"}} {mtp_sum}',
             f'lightspec:stage_latency_seconds_count{{{lab},stage="mtp"}} {mtp_n}',
-            'lightspec:stage_latency_seconds_sum{model="other",stage="target"} 99',
-            'lightspec:stage_latency_seconds_count{model="other",stage="target"} 1',
+            'lightspec:stage_latency_seconds_sum{model_name="other",stage="target"} 99',
+            'lightspec:stage_latency_seconds_count{model_name="other",stage="target"} 1',
         ]) + "\n"  # fmt: skip
 
     before = parse_metrics(expo(5, 0.010, 5, 0.004, 4))
@@ -83,7 +83,7 @@ def test_server_stats_take_the_target_stage_compute_from_triton_and_the_policy_g
             f'nv_inference_compute_infer_duration_us{{model="{TARGET_STAGE}",version="1"}} {us}',
             'nv_inference_exec_count{model="m",version="1"} 7',
             'nv_inference_compute_infer_duration_us{model="m",version="1"} 9999',
-            f'lightspec:policy_draft_cost_seconds{{model="m",version="1"}} {cost}',
+            f'lightspec:policy_draft_cost_seconds{{model_name="m",engine="0"}} {cost}',
         ]) + "\n"  # fmt: skip
 
     s = server_stats(parse_metrics(expo(10, 50_000, 0.001)), parse_metrics(expo(110, 750_000, 0.0003)), "m")
@@ -92,7 +92,7 @@ def test_server_stats_take_the_target_stage_compute_from_triton_and_the_policy_g
 
 
 def test_finished_requests_count_successes_and_failures_of_one_model():
-    ms = parse_metrics('lightspec:request_success_total{model="m"} 5\nlightspec:request_failure_total{model="m"} 2\n'
-                       'lightspec:request_success_total{model="other"} 9\n')  # fmt: skip
+    ms = parse_metrics('vllm:request_success_total{model_name="m",finished_reason="stop"} 5\nlightspec:request_failure_total{model_name="m"} 2\n'
+                       'vllm:request_success_total{model_name="other",finished_reason="stop"} 9\n')  # fmt: skip
     assert finished_requests(ms, "m") == 7.0
     assert finished_requests(None, "m") == 0.0

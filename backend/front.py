@@ -1,0 +1,116 @@
+"""The batched front model (``lightspec_batched``): the ``lightspec`` model for batched clients.
+
+TensorRT-LLM clients (its ``ensemble``/``tensorrt_llm_bls`` models have ``max_batch_size > 0``),
+Triton's OpenAI frontend for non-vLLM backends and ``genai-perf --backend tensorrtllm`` send every
+input with a leading batch dimension (``text_input`` as ``[1, 1]``). Triton checks shapes against
+the model config before a model sees a request, so the ``lightspec`` model (``max_batch_size 0``,
+vLLM-backend style dims ``[1]``) refuses them; no config accepts both ``[1]`` and ``[1, 1]``.
+This model declares the same tensors with ``max_batch_size: 1`` and forwards each request to
+``lightspec`` by decoupled BLS, dropping the batch dimension on the way in and adding it back to
+every response (streamed responses stream through).
+
+One thread per request iterates its BLS response stream: iterating blocks, and an ``async``
+execute would block the event loop shared by every request of this model.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import numpy as np
+
+from .conventions import parse_request_parameters
+from .tensors import OUTPUTS
+
+OUTPUT_NAMES = [s.name for s in OUTPUTS]
+
+
+def unbatch(name: str, arr: np.ndarray) -> np.ndarray:
+    """``[1, ...]`` -> ``[...]``; raises ``ValueError`` naming the input for another batch size."""
+    if arr.ndim == 0 or arr.shape[0] != 1:
+        raise ValueError(f"{name}: expected a batch of one (shape [1, ...]), got shape {list(arr.shape)}")
+    return arr[0]
+
+
+def batch(arr: np.ndarray) -> np.ndarray:
+    return np.asarray(arr)[None, ...]
+
+
+def is_last(outputs: dict[str, np.ndarray]) -> bool:
+    """``lightspec`` sets ``finish_reason`` on its final data response only."""
+    reason = outputs.get("finish_reason")
+    return reason is not None and reason.size > 0 and bool(reason.reshape(-1)[0])
+
+
+class BatchedFront:
+    """Forwards batched requests to ``target`` (the ``lightspec`` model). ``pb_utils`` passed in."""
+
+    def __init__(self, pb_utils, target: str):
+        self.pb = pb_utils
+        self.target = target
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            t = threading.Thread(target=self._run, args=(request,), name="lightspec-front", daemon=True)
+            with self._lock:
+                self._threads.add(t)
+            t.start()
+
+    def finalize(self, timeout_s: float = 30.0) -> None:
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout_s)
+
+    def _run(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            self._forward(request, sender)
+        except ValueError as e:
+            self._fail(sender, str(e), "INVALID_ARG")
+        except Exception as e:  # noqa: BLE001 - every request must end with a final response
+            self.pb.Logger.log_error(f"[lightspec] batched front: {traceback.format_exc()}")
+            self._fail(sender, f"forwarding to {self.target} failed: {e}", "INTERNAL")
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _fail(self, sender, message: str, code: str) -> None:
+        err = self.pb.TritonError(message, getattr(self.pb.TritonError, code))
+        sender.send(self.pb.InferenceResponse(output_tensors=[], error=err),
+                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # fmt: skip
+
+    def _bls_request(self, request):
+        pb = self.pb
+        inputs = [pb.Tensor(t.name(), unbatch(t.name(), t.as_numpy())) for t in request.inputs()]
+        wanted = request.requested_output_names()
+        names = sorted(set(wanted) | {"finish_reason"}) if wanted else OUTPUT_NAMES
+        kwargs = {}
+        params = request.parameters() if hasattr(request, "parameters") else None
+        if params and parse_request_parameters(params):  # validated here, named as the client sent them
+            kwargs["parameters"] = params
+        return pb.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=names, **kwargs)
+
+    def _forward(self, request, sender) -> None:
+        pb = self.pb
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        wanted = set(request.requested_output_names() or OUTPUT_NAMES)
+        responses = self._bls_request(request).exec(decoupled=True)
+        for response in responses:
+            if response.has_error():
+                sender.send(pb.InferenceResponse(output_tensors=[], error=response.error()), flags=final)
+                return
+            outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            if not outputs:
+                continue  # the stream's empty final response
+            last = is_last(outputs)
+            tensors = [pb.Tensor(n, batch(a)) for n, a in outputs.items() if n in wanted]
+            sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
+            if last:
+                return
+            if sender.is_cancelled() and hasattr(responses, "cancel"):
+                responses.cancel()  # lightspec ends it with a cancelled final response
+        sender.send(flags=final)

@@ -1,0 +1,156 @@
+"""OpenAI requests -> the ``lightspec`` model's tensors, and its responses -> OpenAI objects.
+
+Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions (chat
+leaves the length to the engine's default). Values are checked with the engine's own
+``SamplingParams`` before anything reaches Triton, so a bad value is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from lightspec_core.config import SamplingParams
+
+from .errors import OpenAIError
+from .protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from .triton import Chunk
+
+_UINT64_MAX = (1 << 64) - 1
+
+
+def _length(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, int] | None:
+    if isinstance(req, ChatCompletionRequest):
+        return req.length_limit
+    return "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+
+
+def sampling_tensors(req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
+    """The request's sampling tensors, validated; raises a 400 naming the OpenAI field."""
+    req.refuse_unsupported()
+    tensors: dict[str, object] = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+    }
+    length = _length(req)
+    if length is not None:
+        tensors["max_tokens"] = length[1]
+    for name in ("top_k", "seed", "num_draft_tokens", "priority", "ignore_eos"):
+        if getattr(req, name) is not None:
+            tensors[name] = getattr(req, name)
+    if req.stop_list:
+        tensors["stop_words"] = req.stop_list
+    kwargs = {k: v for k, v in tensors.items() if k != "stop_words"}
+    try:
+        SamplingParams(**kwargs, stop=req.stop_list)
+    except ValueError as e:
+        name = str(e).split("=")[0].split(":")[0].strip()
+        if name == "max_tokens" and length is not None:
+            name = length[0]
+        raise OpenAIError(str(e) if str(e).startswith(name) else f"{name}: {e}", param=name) from None
+    if req.seed is not None and req.seed > _UINT64_MAX:
+        raise OpenAIError(f"seed={req.seed}: must be < 2**64", param="seed")
+    if length is not None and length[1] > (1 << 31) - 1:
+        raise OpenAIError(f"{length[0]}={length[1]}: too large", param=length[0])
+    return tensors
+
+
+def request_tensors(prompt: str | list[int], req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
+    """Every tensor of the Triton request for ``prompt`` (text, or token ids)."""
+    tensors = {"text_input": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+    tensors |= sampling_tensors(req)
+    tensors |= {
+        "stream": bool(req.stream),
+        "exclude_input_in_output": True,
+        "return_num_input_tokens": True,
+        "return_num_output_tokens": True,
+    }
+    return tensors
+
+
+def finish_reason(reason: str) -> str | None:
+    """OpenAI's finish reason for LightSpec's (``length``, ``stop``; others are not OpenAI's)."""
+    return reason if reason in ("length", "stop") else (reason or None)
+
+
+@dataclass
+class Accumulator:
+    """What one request's responses add up to: text, counts and speculation totals."""
+
+    text: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)
+
+    def add(self, chunk: Chunk) -> None:
+        self.text.append(chunk.text)
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.prompt_tokens = max(self.prompt_tokens, chunk.num_input_tokens or 0)
+        self.completion_tokens += chunk.num_output_tokens or 0
+        self.num_draft_tokens = max(self.num_draft_tokens, chunk.num_draft_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, chunk.num_accepted_tokens)
+        if chunk.acceptance_histogram:
+            self.acceptance_histogram = chunk.acceptance_histogram
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def metrics(self) -> dict:
+        """Per-request speculative-decoding statistics in vLLM's ``metrics.speculative_decoding``
+        form (vLLM's ``--per-request-spec-decode-metrics summary``, which aiperf reads).
+        ``acceptance_histogram[j]``: verify steps that accepted exactly j drafts, so the steps are
+        its sum. ``num_spec_tokens`` (vLLM's fixed k) is left out: LightSpec's k varies per step."""
+        hist = list(self.acceptance_histogram) or [0]
+        steps = sum(hist)
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return {
+            "speculative_decoding": {
+                "mean_acceptance_length": 1.0 + self.num_accepted_tokens / steps if steps else 1.0,
+                "draft_acceptance_rate": rate,
+                "acceptance_histogram": hist,
+                "num_spec_steps": steps,
+                "num_accepted_draft_tokens": self.num_accepted_tokens,
+                "num_draft_tokens": self.num_draft_tokens,
+            }
+        }
+
+
+def new_id(endpoint: str) -> str:
+    return ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def envelope(endpoint: str, rid: str, model: str, created: int | None = None, chunk: bool = False) -> dict:
+    obj = "chat.completion.chunk" if chunk else "chat.completion"
+    return {
+        "id": rid,
+        "object": obj if endpoint == "chat" else "text_completion",
+        "created": created or int(time.time()),
+        "model": model,
+    }
+
+
+def choice(endpoint: str, text: str, reason: str | None, delta: bool = False, first: bool = False) -> dict:
+    """One ``choices`` entry: a text completion's, a chat message, or a chat stream delta."""
+    if endpoint != "chat":
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    if delta:
+        d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+
+
+def full_response(endpoint: str, rid: str, model: str, acc: Accumulator) -> dict:
+    """A non-streamed answer."""
+    body = envelope(endpoint, rid, model)
+    body["choices"] = [choice(endpoint, "".join(acc.text), finish_reason(acc.finish_reason))]
+    body["usage"] = acc.usage()
+    body["metrics"] = acc.metrics()
+    return body

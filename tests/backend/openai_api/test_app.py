@@ -1,0 +1,60 @@
+"""The app's HTTP answers that need no Triton: validation errors before a request is sent, and
+503 while no server listens at the Triton address (a free port nothing is bound to)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from lightspec_backend.launcher import free_ports
+from lightspec_backend.openai_api import create_app
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(create_app(f"127.0.0.1:{free_ports(1)[0]}")) as c:
+        yield c
+
+
+def error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    return body
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": "lightspec", "prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"model": "lightspec", "prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"model": "lightspec", "prompt": "x", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"model": "lightspec", "prompt": "x", "guided_regex": "a+"}, "guided_regex"),
+        ("/v1/completions", {"prompt": "x"}, "model"),
+        ("/v1/completions", {"model": "lightspec", "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/chat/completions", {"model": "lightspec", "messages": []}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": "lightspec", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "lightspec", "messages": [{"role": "user", "content": "x"}], "top_p": 2},
+            "top_p",
+        ),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field_before_triton_is_asked(client, path, body, param):
+    err = error(client.post(path, json=body), 400)
+    assert err["type"] == "invalid_request_error" and err["param"] == param and param in err["message"]
+
+
+def test_no_triton_is_503(client):
+    assert "unavailable" in error(client.get("/v1/models"), 503)["message"]
+    error(client.get("/health"), 503)
+    error(client.post("/v1/completions", json={"model": "lightspec", "prompt": "x"}), 503)
+
+
+def test_invalid_json_is_400(client):
+    r = client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    error(r, 400)

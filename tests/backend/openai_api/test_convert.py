@@ -1,0 +1,142 @@
+"""OpenAI request bodies -> the lightspec model's tensors, and response totals -> OpenAI fields."""
+
+from __future__ import annotations
+
+import pytest
+from lightspec_backend.openai_api.convert import Accumulator, request_tensors, sampling_tensors
+from lightspec_backend.openai_api.errors import OpenAIError
+from lightspec_backend.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from lightspec_backend.openai_api.triton import Chunk
+from pydantic import ValidationError
+
+
+def completion(**kw) -> CompletionRequest:
+    return CompletionRequest(model="lightspec", prompt=kw.pop("prompt", "def f():"), **kw)
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="lightspec", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_completion_maps_every_sampling_field_to_its_tensor():
+    req = completion(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=["\n\n", "END"], stream=True, top_k=4,
+                     ignore_eos=True, num_draft_tokens=2)  # fmt: skip
+    t = request_tensors(req.single_prompt(), req)
+    assert t == {
+        "text_input": "def f():", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+        "stop_words": ["\n\n", "END"], "stream": True, "top_k": 4, "ignore_eos": True, "num_draft_tokens": 2,
+        "exclude_input_in_output": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
+    }  # fmt: skip
+
+
+def test_openai_defaults_sampling_at_temperature_one_and_16_completion_tokens():
+    t = sampling_tensors(completion())
+    assert t == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 16}
+    assert "max_tokens" not in sampling_tensors(chat())  # chat: the engine's default length
+
+
+def test_a_single_stop_string_and_token_id_prompts():
+    req = completion(prompt=[5, 6, 7], stop="\n")
+    t = request_tensors(req.single_prompt(), req)
+    assert t["input_ids"] == [5, 6, 7] and "text_input" not in t and t["stop_words"] == ["\n"]
+    assert completion(prompt=["only one"]).single_prompt() == "only one"
+    with pytest.raises(OpenAIError, match="^prompt: only one prompt"):
+        completion(prompt=["a", "b"]).single_prompt()
+
+
+def test_chat_max_completion_tokens_wins_and_conflicting_lengths_are_refused():
+    assert sampling_tensors(chat(max_completion_tokens=9))["max_tokens"] == 9
+    assert sampling_tensors(chat(max_tokens=9, max_completion_tokens=9))["max_tokens"] == 9
+    with pytest.raises(OpenAIError) as e:
+        sampling_tensors(chat(max_tokens=8, max_completion_tokens=9))
+    assert e.value.param == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1 << 64}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 2}, "n"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"best_of": 3}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1}, "presence_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ],
+)
+def test_bad_or_unsupported_values_are_a_400_naming_the_field(kw, param):
+    with pytest.raises(OpenAIError) as e:
+        sampling_tensors(completion(**kw))
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(param)
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 3}, "n"),
+    ],
+)
+def test_chat_fields_lightspec_cannot_honour_are_refused_by_name(kw, param):
+    with pytest.raises(OpenAIError) as e:
+        sampling_tensors(chat(**kw))
+    assert e.value.param == param and param in e.value.message
+
+
+def test_harmless_openai_fields_are_accepted_and_unknown_ones_refused():
+    sampling_tensors(chat(user="u", frequency_penalty=0, store=False, metadata={"a": "b"}, n=1, tool_choice="none",
+                          response_format={"type": "text"}, parallel_tool_calls=False))  # fmt: skip
+    with pytest.raises(ValidationError) as e:
+        chat(guided_json={"type": "object"})
+    assert e.value.errors()[0]["loc"] == ("guided_json",)
+
+
+def test_non_text_message_parts_are_refused_naming_the_message():
+    req = ChatCompletionRequest(model="m", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+    ])  # fmt: skip
+    assert req.messages[0].for_template(0)["content"] == "ab"
+    with pytest.raises(OpenAIError) as e:
+        req.messages[1].for_template(1)
+    assert e.value.param == "messages[1].content"
+
+
+def chunk(text, reason="", n_in=None, n_out=None, drafted=0, accepted=0, hist=()):
+    return Chunk(text, reason, n_in, n_out, drafted, accepted, list(hist))
+
+
+def test_accumulated_usage_and_speculation_metrics_in_vllm_form():
+    acc = Accumulator()
+    acc.add(chunk("ab", n_in=5, n_out=2, drafted=2, accepted=1, hist=[0, 1]))
+    acc.add(chunk("c", "length", n_in=5, n_out=3, drafted=6, accepted=4, hist=[1, 0, 0, 0, 1]))
+    assert "".join(acc.text) == "abc" and acc.finish_reason == "length"
+    assert acc.usage() == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    spec = acc.metrics()["speculative_decoding"]
+    # aiperf's invariants: the histogram sums to the steps, its j-weighted sum to the accepted drafts
+    assert spec["num_spec_steps"] == sum(spec["acceptance_histogram"]) == 2
+    assert sum(j * c for j, c in enumerate(spec["acceptance_histogram"])) == spec["num_accepted_draft_tokens"] == 4
+    assert spec["num_draft_tokens"] == 6 and spec["draft_acceptance_rate"] == pytest.approx(4 / 6)
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + 4 / 2)
+
+
+def test_metrics_without_speculation_are_all_zero_steps():
+    acc = Accumulator()
+    acc.add(chunk("x", "stop", n_in=1, n_out=1))
+    spec = acc.metrics()["speculative_decoding"]
+    assert spec["acceptance_histogram"] == [0] and spec["num_spec_steps"] == 0 and spec["mean_acceptance_length"] == 1.0
