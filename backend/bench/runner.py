@@ -153,6 +153,7 @@ class BenchPlan:
     requests_rule: tuple[int, int] = (16, 2)
     repeats: int = 1
     order: str = "level"  # see sweep_order
+    keep_ids: bool = False  # keep each request's token ids in the run (the peer bench compares them)
 
     def num_requests(self, load: Load) -> int:
         if self.requests:
@@ -170,32 +171,43 @@ class BenchPlan:
         return out
 
 
-def _drive(url: str, model: str, load: Load, plan: BenchPlan) -> tuple[list[Record], float]:
+def _drive(url: str, model: str, load: Load, plan: BenchPlan, stream=None) -> tuple[list[Record], float]:
     requests = plan.requests_for(plan.num_requests(load))
     if load.rate is None:
-        return run_closed_loop(url, model, requests, load.concurrency, plan.timeout_s)
+        return run_closed_loop(url, model, requests, load.concurrency, plan.timeout_s, stream)
+    if stream is not None:
+        raise ValueError("rate: open-loop runs use the gRPC streams only")
     return run_open_loop(url, model, requests, load.rate, plan.seed, plan.timeout_s)
 
 
-def _measure(url: str, metrics_url: str | None, model: str, load: Load, plan: BenchPlan):
-    """(records, duration, metrics before, metrics after) of one run after its warm-up."""
+def warm_up(url: str, model: str, plan: BenchPlan, stream=None) -> None:
+    """``plan.warmup`` short requests, two at a time, before a run is measured."""
     if plan.warmup:
         warm = [Request(r.prompt, min(16, plan.max_tokens), r.temperature) for r in plan.requests_for(plan.warmup)]
-        run_closed_loop(url, model, warm, min(2, plan.warmup), plan.timeout_s)
+        run_closed_loop(url, model, warm, min(2, plan.warmup), plan.timeout_s, stream)
+
+
+def _measure(url: str, metrics_url: str | None, model: str, load: Load, plan: BenchPlan, stream=None):
+    """(records, duration, metrics before, metrics after) of one run after its warm-up."""
+    warm_up(url, model, plan, stream)
     before = scrape(metrics_url)
     if before is not None:  # settle: the warm-up's counters must be in before the baseline is taken
         before = wait_for_requests(metrics_url, model, finished_requests(before, model), 2.0)
-    records, duration = _drive(url, model, load, plan)
+    records, duration = _drive(url, model, load, plan, stream)
     after = None
     if before is not None:
         after = wait_for_requests(metrics_url, model, finished_requests(before, model) + len(records))
     return records, duration, before, after
 
 
-def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan: BenchPlan, log=print) -> dict:
-    """One configuration at one load level: warm up, scrape, run, wait for the metrics, scrape."""
+def run_one(
+    url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan: BenchPlan, log=print, stream=None
+) -> dict:
+    """One configuration at one load level: warm up, scrape, run, wait for the metrics, scrape.
+    ``stream``: the client's ``make_stream`` (default gRPC; :func:`.sse.stream_factory` for HTTP).
+    With ``plan.keep_ids`` the run keeps each request's generated token ids (``outputs``)."""
     model = cfg.model_name
-    records, duration, before, after = _measure(url, metrics_url, model, load, plan)
+    records, duration, before, after = _measure(url, metrics_url, model, load, plan, stream)
     run = {
         "config": cfg.config,
         "method": cfg.method,
@@ -216,6 +228,8 @@ def run_one(url: str, metrics_url: str | None, cfg: RunConfig, load: Load, plan:
     errors = [r.error for r in records if r.error]
     if errors:
         run["first_error"] = errors[0]
+    if plan.keep_ids:
+        run["outputs"] = [{"prompt": r.prompt, "ids": r.ids} for r in records if r.error is None]
     log(
         f"  {cfg.method:<5} {cfg.config:<10} {load.label:<10} {run['throughput_tok_s'] or 0:8.1f} tok/s  "
         f"mean latency {run['mean_latency_s'] or float('nan'):.3f}s  "
@@ -283,9 +297,11 @@ def run_with_server(
     max_draft_tokens: int,
     repository: str | None = None,
     tritonserver: str | None = None,
+    sweep=None,
 ) -> list[dict]:
     """The sweep on a tritonserver started here (explicit model control, the stage models loaded)
-    from a repository written to ``repository`` (default: a temporary directory, removed after)."""
+    from a repository written to ``repository`` (default: a temporary directory, removed after).
+    ``sweep(server, plan) -> runs`` replaces :func:`run_bench` (the peer bench's LightSpec side)."""
     from ..launcher import TritonServer
 
     tmp = None if repository else tempfile.mkdtemp(prefix="lightspec-bench-")
@@ -301,6 +317,8 @@ def run_with_server(
             f"(gRPC {server.grpc_url}, metrics {server.metrics_url})",
             flush=True,
         )
+        if sweep is not None:
+            return sweep(server, plan)
         return run_bench(server.grpc_url, server.metrics_url, plan)
     except RuntimeError as e:
         raise SystemExit(f"{e}\n(server log: {server.log_file or '?'})") from None

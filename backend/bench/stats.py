@@ -175,3 +175,51 @@ def dynamic_vs_static(runs: list[dict]) -> list[dict]:
         if mean is not None:
             out.append(mean)
     return out
+
+
+def run_label(run: dict) -> str:
+    """``lightspec mtp dynamic grpc``, ``lightspec none http``, ``vllm ngram``."""
+    if run.get("server", "lightspec") == "vllm":
+        return f"vllm {run['config']}"
+    what = "none" if run["method"] == "none" else f"{run['method']} {run['config']}"
+    return f"lightspec {what} {run.get('protocol', 'grpc')}"
+
+
+def mark_mismatches(runs: list[dict]) -> list[dict]:
+    """Each run with ``compared`` and ``mismatches``: of its requests whose prompt LightSpec ``none``
+    also ran (its first run, normally c=1 over gRPC), how many generated other token ids. The runs'
+    ``outputs`` (per-request token ids) are dropped."""
+    ref_run = next((r for r in runs if r.get("server", "lightspec") == "lightspec" and r["method"] == "none"), None)
+    ref = {o["prompt"]: o["ids"] for o in (ref_run or {}).get("outputs", [])}
+    out = []
+    for r in runs:
+        r = dict(r)
+        outputs = r.pop("outputs", [])
+        same = [o["ids"] == ref[o["prompt"]] for o in outputs if o["prompt"] in ref]
+        out.append({**r, "compared": len(same), "mismatches": same.count(False)})
+    return out
+
+
+def peer_ratios(runs: list[dict]) -> list[dict]:
+    """At each closed-loop level, every LightSpec run (configuration x protocol) against vLLM's
+    ``none`` and against vLLM's best configuration there (highest throughput): throughput ratios,
+    and the mean-latency ratio to vLLM ``none``. Rows: load, label, throughput, the ratios, vLLM's
+    best configuration."""
+    closed = [r for r in runs if r.get("rate") is None and r.get("throughput_tok_s")]
+    peers: dict[int, list[dict]] = {}
+    for r in closed:
+        if r.get("server") == "vllm":
+            peers.setdefault(r["concurrency"], []).append(r)
+    rows = []
+    for r in closed:
+        level = peers.get(r["concurrency"])
+        if r.get("server") == "vllm" or not level:
+            continue
+        none = next((p for p in level if p["method"] == "none"), None)
+        best = max(level, key=lambda p: p["throughput_tok_s"])
+        rows.append({
+            "load": r["concurrency"], "label": run_label(r), "throughput_tok_s": r["throughput_tok_s"],
+            "x_vllm_none": _ratio(r, none, "throughput_tok_s"), "x_vllm_best": _ratio(r, best, "throughput_tok_s"),
+            "vllm_best": best["config"], "latency_x_vllm_none": _ratio(r, none, "mean_latency_s"),
+        })  # fmt: skip
+    return sorted(rows, key=lambda row: row["load"])

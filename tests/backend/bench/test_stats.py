@@ -97,3 +97,44 @@ def test_dynamic_is_compared_with_the_best_static_depth_per_level_round_by_round
     assert mean["best_static"] == "static:4"
     assert mean["ratio"] == pytest.approx((160 / 90 + 600 / 400) / (170 / 90 + 500 / 400))
     assert dynamic_vs_static([r for r in runs if r["config"] != "dynamic"]) == []
+
+
+# ---- the peer bench ----------------------------------------------------------------------------------------------
+def _peer_run(server, method, config, c, tps, lat=1.0, protocol="http", outputs=None):
+    return {"server": server, "method": method, "config": config, "concurrency": c, "rate": None,
+            "protocol": protocol, "throughput_tok_s": tps, "mean_latency_s": lat, "outputs": outputs or []}  # fmt: skip
+
+
+def test_mismatches_count_requests_whose_tokens_differ_from_lightspec_none():
+    from lightspec_backend.bench.stats import mark_mismatches
+
+    ref = [{"prompt": "a", "ids": [1, 2]}, {"prompt": "b", "ids": [3, 4]}]
+    runs = [
+        _peer_run("lightspec", "none", "none", 1, 10, protocol="grpc", outputs=ref),
+        _peer_run("lightspec", "mtp", "dynamic", 1, 10, outputs=[*ref, {"prompt": "a", "ids": [1, 9]}]),
+        _peer_run("vllm", "none", "none", 1, 10, outputs=[{"prompt": "b", "ids": [3, 4]}, {"prompt": "z", "ids": []}]),
+    ]
+    marked = mark_mismatches(runs)
+    assert [(r["compared"], r["mismatches"]) for r in marked] == [(2, 0), (3, 1), (1, 0)]  # "z": not compared
+    assert all("outputs" not in r for r in marked) and "outputs" in runs[0]  # the input is left as it was
+
+
+def test_peer_ratios_compare_each_lightspec_run_with_vllm_none_and_vllm_best_at_its_level():
+    from lightspec_backend.bench.stats import peer_ratios
+
+    runs = [
+        _peer_run("lightspec", "none", "none", 1, 100, protocol="grpc"),
+        _peer_run("lightspec", "mtp", "dynamic", 1, 300, lat=0.5),
+        _peer_run("lightspec", "mtp", "dynamic", 16, 400, lat=2.0),
+        _peer_run("vllm", "none", "none", 1, 200, lat=1.0),
+        _peer_run("vllm", "ngram", "ngram", 1, 250),
+        _peer_run("vllm", "none", "none", 16, 800, lat=4.0),
+        _peer_run("vllm", "draft", "draft", 16, 500),
+        _peer_run("lightspec", "none", "none", 64, 900),  # no vLLM run at c=64: no ratio
+    ]
+    rows = peer_ratios(runs)
+    assert [(r["load"], r["label"]) for r in rows] == [
+        (1, "lightspec none grpc"), (1, "lightspec mtp dynamic http"), (16, "lightspec mtp dynamic http")]  # fmt: skip
+    assert [r["x_vllm_none"] for r in rows] == pytest.approx([0.5, 1.5, 0.5])
+    assert [(r["vllm_best"], r["x_vllm_best"]) for r in rows] == [("ngram", 0.4), ("ngram", 1.2), ("none", 0.5)]
+    assert [r["latency_x_vllm_none"] for r in rows] == pytest.approx([1.0, 0.5, 0.5])
