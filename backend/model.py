@@ -75,25 +75,58 @@ class _OrchestratorModel:
 
 
 def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _OrchestratorModel:
-    from lightspec_backend.bls import BLSExecutor
     from lightspec_backend.control import ControlDir, restarts_from_env
     from lightspec_backend.metrics import MetricsReporter
     from lightspec_backend.orchestrator import Orchestrator
-
-    from lightspec_core import LLMEngine
+    from lightspec_backend.params import STAGES_LOCAL
 
     if not pb_utils.using_decoupled_model_transaction_policy(model_config):
         raise ValueError("model_transaction_policy: the orchestrator must be decoupled (decoupled: true)")
     for note in check_stage_configs(config, repository):
         pb_utils.Logger.log_warn(f"[lightspec] {note}")
-    stages = {s: config.stage_models[s] for s in config.stages_in_use()}
     control = ControlDir.from_env()
+    engine = _local_engine(config) if config.stages == STAGES_LOCAL else _bls_engine(config, control)
+    reporter = None
+    if config.metrics:
+        try:
+            # vLLM's labels, so that dashboards written for vLLM select LightSpec's metrics unchanged
+            reporter = MetricsReporter(pb_utils, {"model_name": args["model_name"], "engine": "0"},
+                                       max_model_len=engine.max_model_len)
+            reporter.publish(engine.stats.snapshot(), [])  # fails here if the server has metrics off
+        except pb_utils.TritonModelException as e:
+            pb_utils.Logger.log_warn(f"[lightspec] custom metrics unavailable ({e}); continuing without them")
+            reporter = None
+    gc.collect()
+    gc.freeze()  # what the model loaded (modules, tokenizer, engine): never scanned by a collection again
+    orchestrator = Orchestrator(engine, pb_utils, reporter, control=control, restarts=restarts_from_env())
+    return _OrchestratorModel(orchestrator, engine, reporter)
+
+
+def _local_engine(config):
+    """``stages: local``: the engine with its stages in this process, as in the library; the stage
+    profile is taken here, while the model loads."""
+    from lightspec_core import LLMEngine
+    from lightspec_core.stages.memory import keep_freed_memory
+
+    keep_freed_memory()  # as in a stage process: a step's large temporaries reuse freed memory
+    engine = LLMEngine(config.engine)
+    pb_utils.Logger.log_info(f"[lightspec] stages in this process: {', '.join(engine.executor.runners)}")
+    return engine
+
+
+def _bls_engine(config, control):
+    """The engine with its stages reached over BLS (the heads at ``mtp: fused``/``local`` in this
+    process)."""
+    from lightspec_backend.bls import BLSExecutor
+
+    from lightspec_core import LLMEngine
 
     def on_fault(model: str, message: str) -> None:
         pb_utils.Logger.log_error(f"[lightspec] {message}")
         if control is not None:  # lightspec serve's supervisor restarts the server
             control.report_fault(model, message)
 
+    stages = {s: config.stage_models[s] for s in config.stages_in_use()}
     executor = BLSExecutor(stages, pb_utils, stage_timeout_s=config.stage_timeout_s, on_fault=on_fault)
     if config.engine.speculative and config.local_stage(config.engine.speculation):
         from lightspec_core.config import resolve_dirs
@@ -111,20 +144,7 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     if engine.profile_pending and config.engine.speculation == "mtp" and config.local_stage("mtp"):
         # the heads run in this process: time them now, while the model loads
         executor.profile("mtp", engine.profile_spec())
-    reporter = None
-    if config.metrics:
-        try:
-            # vLLM's labels, so that dashboards written for vLLM select LightSpec's metrics unchanged
-            reporter = MetricsReporter(pb_utils, {"model_name": args["model_name"], "engine": "0"},
-                                       max_model_len=engine.max_model_len)
-            reporter.publish(engine.stats.snapshot(), [])  # fails here if the server has metrics off
-        except pb_utils.TritonModelException as e:
-            pb_utils.Logger.log_warn(f"[lightspec] custom metrics unavailable ({e}); continuing without them")
-            reporter = None
-    gc.collect()
-    gc.freeze()  # what the model loaded (modules, tokenizer, engine): never scanned by a collection again
-    orchestrator = Orchestrator(engine, pb_utils, reporter, control=control, restarts=restarts_from_env())
-    return _OrchestratorModel(orchestrator, engine, reporter)
+    return engine
 
 
 def _front(model_config: dict, config):

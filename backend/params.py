@@ -38,6 +38,12 @@ MTP_STAGE_MODEL = "lightspec_mtp"  # the generated repository's MTP stage model 
 FRONT_TARGET_PARAM = ("orchestrator_model", "lightspec")  # the batched front's target model
 BACKEND_PARAMS = ("role", "metrics", FRONT_TARGET_PARAM[0], *(p for p, _ in STAGE_MODEL_PARAMS.values()))
 BACKEND_PARAMS += ("stage_timeout_s",)  # the orchestrator's deadline for one stage call (lightspec_backend.bls)
+# Where the orchestrator's engine runs its stages: ``triton``, the stage models reached by BLS (each
+# replaceable by another engine, e.g. TensorRT on a GPU); ``local``, in the orchestrator's own
+# process, as the library does: no BLS round trip and no tensor copies through the stub per step,
+# for stages that share the orchestrator's device (docs/benchmarks.md).
+STAGES_PARAM, STAGES_TRITON, STAGES_LOCAL = "stages", "triton", "local"
+BACKEND_PARAMS += (STAGES_PARAM,)
 ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 # Parameters that were folded into ``mtp``: a config that still sets them fails naming the new one.
 REPLACED_PARAMS = {"mtp_model": "mtp", "mtp_heads": "mtp", "fused_mtp": "mtp"}
@@ -56,9 +62,12 @@ class BackendConfig:
     stage_models: dict[str, str]  # engine stage name ("target", "mtp", "draft") -> Triton model name
     orchestrator_model: str = FRONT_TARGET_PARAM[1]  # role batched: the model it forwards to
     stage_timeout_s: float = 30.0  # a stage call unanswered this long fails its step UNAVAILABLE
+    stages: str = STAGES_TRITON  # ``local``: every stage in the orchestrator's process
 
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls by BLS with this speculation method."""
+        if self.stages == STAGES_LOCAL:
+            return []
         method = self.engine.speculation
         remote = method in ("mtp", "draft") and self.engine.speculative and not self.local_stage(method)
         return ["target", *([method] if remote else [])]
@@ -190,7 +199,16 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     if not 0 < stage_timeout_s < 1e6:
         raise _bad("stage_timeout_s", timeout, "expected a positive number of seconds")
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
-                         orchestrator_model=front_target, stage_timeout_s=stage_timeout_s)  # fmt: skip
+                         orchestrator_model=front_target, stage_timeout_s=stage_timeout_s,
+                         stages=_stages(params))  # fmt: skip
+
+
+def _stages(params: dict[str, str]) -> str:
+    value = params.get(STAGES_PARAM, "").strip() or STAGES_TRITON
+    if value not in (STAGES_TRITON, STAGES_LOCAL):
+        raise _bad(STAGES_PARAM, value, f"expected {STAGES_TRITON} (stage models over BLS) or {STAGES_LOCAL} "
+                   "(in the orchestrator's process)")
+    return value
 
 
 def check_checkpoints(config: BackendConfig) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from lightspec_core.config import EngineConfig, resolve_dirs
 from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, ProfileCall, ProfileResult
 
-from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, Role
+from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, STAGES_LOCAL, STAGES_PARAM, STAGES_TRITON, Role
 from .tensors import INPUTS, OUTPUTS, TensorSpec
 
 ORCHESTRATOR = "lightspec"
@@ -85,7 +85,7 @@ STAGE_PARAMS = {
 ORCHESTRATOR_PARAMS = (
     "speculation", "policy", "max_draft_tokens", "num_kv_blocks", "block_size", "max_num_seqs",
     "max_num_batched_tokens", "pipeline_depth", "metrics", "target_model", "mtp", "draft_model",
-    "model_dir", "mtp_dir", "draft_dir", "num_threads",
+    "model_dir", "mtp_dir", "draft_dir", "num_threads", STAGES_PARAM,
 )  # fmt: skip
 
 
@@ -101,6 +101,8 @@ def default_parameters() -> dict[str, str]:
             # many small kernels: a second intra-op thread barely speeds them up, and its spinning
             # worker takes a core from the target stage's process. Stages: one thread per CPU but one.
             out[key] = "1"
+        elif key == STAGES_PARAM:
+            out[key] = STAGES_TRITON
         elif key in ("target_model", "draft_model"):
             out[key] = next(d for p, d in STAGE_MODEL_PARAMS.values() if p == key)
         else:
@@ -170,6 +172,8 @@ def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]
     """Model name -> config.pbtxt text, for the orchestrator, its stages and the batched front."""
     overrides = {k: str(v) for k, v in (overrides or {}).items()}
     orch = {**default_parameters(), **overrides}
+    if orch[STAGES_PARAM] == STAGES_LOCAL and "num_threads" not in overrides:
+        orch["num_threads"] = "0"  # the one process that computes: torch's default, a thread per CPU
     out = {ORCHESTRATOR: render_orchestrator(orch), BATCHED_FRONT: render_front()}
     for role, name in _stage_models(orch).items():
         # a stage's num_threads only from overrides: the orchestrator's default of 1 is its own
@@ -184,6 +188,8 @@ def _stage_models(orch: dict[str, str]) -> dict[Role, str]:
     speculation, or wherever the target has a draft model beside it (the embedded family does, so
     its repository can switch to ``speculation: draft``); a user's model without one gets none,
     which would fail its load."""
+    if orch.get(STAGES_PARAM) == STAGES_LOCAL:
+        return {}  # the orchestrator runs them itself
     names = {Role.TARGET: orch["target_model"]}
     if orch["mtp"] not in (LOCAL, FUSED):
         names[Role.MTP] = orch["mtp"]

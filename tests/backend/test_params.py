@@ -204,3 +204,11 @@ def test_a_kv_budget_is_bytes_in_a_repository():
     assert parse_backend_config({"kv_cache_memory": "64MiB"}).engine.kv_cache_memory == "64MiB"
     with pytest.raises(ValueError, match=r"parameter kv_cache_memory='0.5': a fraction of free memory would differ"):
         parse_backend_config({"kv_cache_memory": "0.5"})
+
+
+def test_stages_is_triton_or_local_and_local_calls_no_stage_model():
+    assert parse_backend_config({}).stages_in_use() == ["target"]
+    local = parse_backend_config({"stages": "local", "speculation": "draft"})
+    assert local.stages == "local" and local.stages_in_use() == []
+    with pytest.raises(ValueError, match=r"parameter stages='bls': expected triton .* or local"):
+        parse_backend_config({"stages": "bls"})

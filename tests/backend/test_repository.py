@@ -129,3 +129,12 @@ def test_trtllm_and_vllm_backend_inputs_are_declared_optional():
     for name in ("sampling_parameters", "min_tokens", "min_length", "random_seed", "beam_width", "bad_words",
                  "num_return_sequences", "pad_id", "return_log_probs", "repetition_penalty"):  # fmt: skip
         assert names[name].optional, name
+
+
+def test_stages_local_renders_no_stage_models_and_threads_per_cpu():
+    models = render_repository({"stages": "local"})
+    assert set(models) == {"lightspec", "lightspec_batched"}
+    orch = models["lightspec"]
+    assert '{ key: "stages" value: { string_value: "local" } }' in orch
+    assert '{ key: "num_threads" value: { string_value: "0" } }' in orch  # the one process that computes
+    assert '{ key: "num_threads" value: { string_value: "1" } }' in render_repository({})["lightspec"]

@@ -1,0 +1,59 @@
+"""``stages: local``: the orchestrator runs its stages in its own process. The repository has no
+stage models, the server answers with plain greedy decoding's text for MTP and draft-model
+speculation, and the metrics still count the drafts it verified."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+import pytest
+from lightspec_backend.launcher import TritonServer
+from lightspec_backend.metrics import exported_name
+from lightspec_backend.repository import write_model_repository
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+from tests.e2e.test_triton_server import grpc_generate, stop_cleanly, texts
+
+PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(root):", "class Stack:\n    def push(self, x):"]
+OVERRIDES = {"stages": "local", "num_kv_blocks": "128", "block_size": "16", "policy": "static:3"}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    engine = LLMEngine(EngineConfig(speculation="none", num_kv_blocks=128, block_size=16))
+    yield {p: engine.generate([p], SamplingParams(max_tokens=40))[0].text for p in PROMPTS}
+    engine.close()
+
+
+@pytest.fixture(scope="module", params=["mtp", "draft"])
+def server(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"local-{request.param}")
+    repo = write_model_repository(root / "repo", {**OVERRIDES, "speculation": request.param})
+    srv = TritonServer(repo, cache_dir=root / "cache", model_control_mode="explicit", load_models=["lightspec"])
+    srv.start(timeout_s=600)
+    yield srv
+    stop_cleanly(srv)
+
+
+@pytest.mark.triton
+def test_concurrent_greedy_streams_equal_decoding_without_speculation(server, reference):
+    """Three streams at once, so that steps batch them, drafts verified in the orchestrator's process."""
+    got: dict[str, str] = {}
+    errors: list = []
+
+    def run(prompt: str) -> None:
+        results, err = grpc_generate(server.grpc_url, text_input=prompt, max_tokens=40, stream=True,
+                                     exclude_input_in_output=True)  # fmt: skip
+        errors.append(err) if err is not None else got.update({prompt: "".join(texts(results))})
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and got == reference
+    body = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    name = exported_name("spec_decode_num_draft_tokens_total")
+    drafted = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name)]
+    assert drafted and drafted[0] > 0, f"{name} not exported or zero"
