@@ -8,6 +8,13 @@ any Triton (``lightspec openai --triton-url HOST:PORT``).
 >>> app = create_app("127.0.0.1:8001")      # uvicorn.run(app, port=8080)
 """
 
-from .app import create_app
+
+def create_app(*args, **kwargs):
+    """:func:`.app.create_app`, imported on first use: ``lightspec serve --help`` and a bad
+    parameter's error should not wait for FastAPI to import."""
+    from .app import create_app as create
+
+    return create(*args, **kwargs)
+
 
 __all__ = ["create_app"]
