@@ -111,6 +111,16 @@ def default_parameters() -> dict[str, str]:
     return out
 
 
+def orchestrator_parameters(overrides: dict[str, str]) -> dict[str, str]:
+    """An orchestrator's parameters: the defaults with ``overrides``. At ``stages: local`` the
+    orchestrator is the one process that computes, so its ``num_threads`` defaults to torch's own
+    (a thread per CPU) instead of 1."""
+    out = {**default_parameters(), **overrides}
+    if out[STAGES_PARAM] == STAGES_LOCAL and "num_threads" not in overrides:
+        out["num_threads"] = "0"
+    return out
+
+
 def _tensor_block(kind: str, specs: list[TensorSpec], optional_allowed: bool) -> str:
     rows = []
     for s in specs:
@@ -171,9 +181,7 @@ def render_stage(role: Role, name: str, params: dict[str, str]) -> str:
 def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]:
     """Model name -> config.pbtxt text, for the orchestrator, its stages and the batched front."""
     overrides = {k: str(v) for k, v in (overrides or {}).items()}
-    orch = {**default_parameters(), **overrides}
-    if orch[STAGES_PARAM] == STAGES_LOCAL and "num_threads" not in overrides:
-        orch["num_threads"] = "0"  # the one process that computes: torch's default, a thread per CPU
+    orch = orchestrator_parameters(overrides)
     out = {ORCHESTRATOR: render_orchestrator(orch), BATCHED_FRONT: render_front()}
     for role, name in _stage_models(orch).items():
         # a stage's num_threads only from overrides: the orchestrator's default of 1 is its own

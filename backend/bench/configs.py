@@ -6,8 +6,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..params import FUSED, LOCAL, Role
-from ..repository import STAGE_PARAMS, default_parameters, render_orchestrator, render_stage, write_model_repository
+from ..params import FUSED, LOCAL, STAGES_LOCAL, STAGES_PARAM, Role
+from ..repository import (
+    STAGE_PARAMS,
+    default_parameters,
+    orchestrator_parameters,
+    render_orchestrator,
+    render_stage,
+    write_model_repository,
+)
 
 DEFAULT_CONFIGS = ["none", "static:1", "static:2", "static:4", "dynamic"]
 METHODS = ("mtp", "ngram", "draft")
@@ -105,8 +112,12 @@ def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
 
 def stages_for(configs: list[RunConfig], overrides: dict[str, str] | None = None) -> list[str]:
     """Stage models the configurations need: the target always, the MTP stage named by ``mtp`` when
-    a configuration's heads run there (not at ``local`` or ``fused``), the draft model when used."""
-    base = {**default_parameters(), **(overrides or {})}["mtp"]
+    a configuration's heads run there (not at ``local`` or ``fused``), the draft model when used;
+    none at ``stages: local``, where each orchestrator runs its own."""
+    params = {**default_parameters(), **(overrides or {})}
+    if params[STAGES_PARAM] == STAGES_LOCAL:
+        return []
+    base = params["mtp"]
     remote_heads = any((c.mtp or base) not in (LOCAL, FUSED) for c in configs if c.method == "mtp")
     draft = any(c.method == "draft" for c in configs)
     return [TARGET_STAGE, *([base] if remote_heads else []), *([DRAFT_STAGE] if draft else [])]
@@ -118,7 +129,8 @@ def write_bench_repository(
     """The stage models plus one orchestrator per configuration (and the plain ``lightspec`` one)."""
     fused = any(c.mtp == FUSED for c in configs)  # then the shared target stage loads the heads
     dst = write_model_repository(dst, {**overrides, "mtp": FUSED} if fused else overrides)
-    if any(c.method == "draft" for c in configs) and not (dst / DRAFT_STAGE / "config.pbtxt").is_file():
+    local = overrides.get(STAGES_PARAM) == STAGES_LOCAL
+    if any(c.method == "draft" for c in configs) and not local and not (dst / DRAFT_STAGE / "config.pbtxt").is_file():
         # the generated repository has a draft stage only for speculation draft; the shared one here
         # serves the draft configurations beside the others
         params = {**default_parameters(), **overrides, "speculation": "draft"}
@@ -126,7 +138,7 @@ def write_bench_repository(
         text = render_stage(Role.DRAFT, DRAFT_STAGE, {k: params[k] for k in STAGE_PARAMS[Role.DRAFT] if k in params})
         (dst / DRAFT_STAGE / "config.pbtxt").write_text(text)
     for c in configs:
-        params = {**default_parameters(), **overrides, **c.parameters(max_draft_tokens)}
+        params = {**orchestrator_parameters(overrides), **c.parameters(max_draft_tokens)}
         (dst / c.model_name / "1").mkdir(parents=True, exist_ok=True)
         (dst / c.model_name / "1" / ".gitkeep").touch()
         (dst / c.model_name / "config.pbtxt").write_text(render_orchestrator(params, c.model_name))

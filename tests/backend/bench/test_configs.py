@@ -72,3 +72,14 @@ def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp
     for c, fused in zip(configs, (False, True)):
         cfg = _backend_config(repo, c)
         assert cfg.engine.fused_mtp == fused and check_stage_configs(cfg, repo) == []
+
+
+def test_local_stages_load_no_stage_model_and_each_orchestrator_computes_on_every_cpu(tmp_path):
+    runs = parse_configs(["none", "dynamic"], ["mtp", "draft"])
+    assert stages_for(runs, {"stages": "local"}) == []
+    repo = write_bench_repository(tmp_path / "repo", runs, {"stages": "local"}, 4)
+    assert not (repo / "lightspec_target").exists() and not (repo / "lightspec_draft").exists()
+    for run in runs:
+        text = (repo / run.model_name / "config.pbtxt").read_text()
+        assert '{ key: "stages" value: { string_value: "local" } }' in text
+        assert '{ key: "num_threads" value: { string_value: "0" } }' in text
