@@ -51,17 +51,24 @@ class OpenAIServer:
     def start(self, timeout_s: float = 30.0) -> OpenAIServer:
         """Start serving; return once the socket listens (``port`` 0 becomes the port picked).
         Raise ``RuntimeError`` if it does not (a port in use)."""
-        self._thread = threading.Thread(target=self.server.run, name="lightspec-openai", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="lightspec-openai", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the OpenAI API server did not start on {self.host}:{self.port}")
+                raise RuntimeError(f"the OpenAI API server did not start on {self.host}:{self.port} (port in use? "
+                                   "--openai-port 0 picks a free one, -1 turns the API off)")
             time.sleep(0.05)
         sockets = [s for srv in self.server.servers for s in srv.sockets]
         if sockets:
             self.port = sockets[0].getsockname()[1]
         return self
+
+    def _serve(self) -> None:
+        try:
+            self.server.run()
+        except SystemExit:  # uvicorn exits when it cannot bind: start() reports it, naming the port
+            pass
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop accepting, close open streams (their Triton requests are cancelled), and join."""

@@ -58,3 +58,16 @@ def test_no_triton_is_503(client):
 def test_invalid_json_is_400(client):
     r = client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     error(r, 400)
+
+
+def test_a_port_in_use_fails_start_naming_the_port_and_the_way_out():
+    import socket
+
+    from lightspec_backend.openai_api.command import OpenAIServer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"did not start on 127\.0\.0\.1:{port} .*--openai-port 0"):
+            OpenAIServer("127.0.0.1:1", port=port, log_level="critical").start(timeout_s=10)
