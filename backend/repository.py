@@ -139,10 +139,11 @@ def _params_block(params: dict[str, str]) -> str:
     return "parameters [\n" + ",\n".join(rows) + "\n]\n"
 
 
-def render_orchestrator(params: dict[str, str], name: str = ORCHESTRATOR) -> str:
+def _decoupled_model(comment: str, name: str, max_batch_size: int, params: dict[str, str]) -> str:
+    """A decoupled model that declares the request tensors (the orchestrator, the batched front)."""
     return (
-        f"# LightSpec orchestrator: owns the engine, reaches the stage models by BLS. See docs/serving.md.\n"
-        f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 0\n'
+        f"# {comment}\n"
+        f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: {max_batch_size}\n'
         "model_transaction_policy { decoupled: true }\n"
         + _tensor_block("input", INPUTS, True)
         + _tensor_block("output", OUTPUTS, False)
@@ -151,18 +152,16 @@ def render_orchestrator(params: dict[str, str], name: str = ORCHESTRATOR) -> str
     )
 
 
+def render_orchestrator(params: dict[str, str], name: str = ORCHESTRATOR) -> str:
+    comment = "LightSpec orchestrator: owns the engine, reaches the stage models by BLS. See docs/serving.md."
+    return _decoupled_model(comment, name, 0, params)
+
+
 def render_front(name: str = BATCHED_FRONT, target: str = ORCHESTRATOR) -> str:
     """The batched front: the orchestrator's tensors with a batch dimension (``max_batch_size: 1``,
     no dynamic batching: each request is forwarded on its own)."""
-    return (
-        f"# LightSpec batched front: [1, 1]-shaped (TensorRT-LLM style) requests, forwarded to {target}.\n"
-        f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 1\n'
-        "model_transaction_policy { decoupled: true }\n"
-        + _tensor_block("input", INPUTS, True)
-        + _tensor_block("output", OUTPUTS, False)
-        + "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-        + _params_block({"role": Role.BATCHED.value, "orchestrator_model": target})
-    )
+    comment = f"LightSpec batched front: [1, 1]-shaped (TensorRT-LLM style) requests, forwarded to {target}."
+    return _decoupled_model(comment, name, 1, {"role": Role.BATCHED.value, "orchestrator_model": target})
 
 
 def render_stage(role: Role, name: str, params: dict[str, str]) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .configs import DEFAULT_CONFIGS, RunConfig, parse_configs, stages_for, write_bench_repository
 from .peer import PEER_CONFIGS, default_venv
-from .report import format_comparison, format_table, plot, write_json
+from .report import format_comparison, format_table, plot, save_results
 from .runner import QUICK, BenchPlan, Load, requests_rule, run_bench, run_with_server
 from .stats import dynamic_vs_static
 from .workload import Prompt, default_prompts, load_tokenizer, read_prompts
@@ -214,12 +214,7 @@ def _report(args, argv: list[str], runs: list[dict], meta: dict) -> None:
         print()
         print(format_comparison(comparison))
     print(f"\n{len(runs)} runs in {meta['elapsed_s']:.0f}s")
-    if args.json:
-        write_json(args.json, runs, comparison, {"argv": argv, **meta, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(runs, args.plot)
-        print(f"wrote {args.plot}")
+    save_results(args, argv, runs, comparison, meta, plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .peer import create_venv, default_venv, find_peer_python, peer_configs, peer_env, venv_plan, vllm_command
-from .report import format_peer_ratios, format_peer_table, plot_peer, write_json
+from .report import format_peer_ratios, format_peer_table, plot_peer, save_results
 from .runner import BenchPlan
 from .stats import mark_mismatches, peer_ratios
 
@@ -66,12 +66,7 @@ def _report(args, argv: list[str], runs: list[dict], meta: dict) -> None:
     print(f"\ntoken identity: {sum(r['mismatches'] for r in runs)} of {compared} requests differ from LightSpec none"
           + (f" (in {', '.join(sorted({str(r['concurrency']) for r in differ}))})" if differ else ""))  # fmt: skip
     print(f"{len(runs)} runs in {meta['elapsed_s']:.0f}s")
-    if args.json:
-        write_json(args.json, runs, ratios, {"argv": argv, **meta, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_peer(runs, args.plot)
-        print(f"wrote {args.plot}")
+    save_results(args, argv, runs, ratios, meta, plot_peer)
 
 
 def peer_main(args, argv: list[str], plan: BenchPlan, overrides: dict[str, str]) -> int:

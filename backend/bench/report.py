@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -65,6 +66,16 @@ def format_comparison(rows: list[dict]) -> str:
 
 def write_json(path: str | Path, runs: list[dict], comparison: list[dict], meta: dict) -> None:
     Path(path).write_text(json.dumps({"runs": runs, "comparison": comparison, "meta": meta}, indent=1) + "\n")
+
+
+def save_results(args, argv: list[str], runs: list[dict], comparison: list[dict], meta: dict, plot_fn) -> None:
+    """``--json`` and ``--plot``, where the flags ask for them (``plot_fn(runs, path)`` draws)."""
+    if args.json:
+        write_json(args.json, runs, comparison, {"argv": argv, **meta, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_fn(runs, args.plot)
+        print(f"wrote {args.plot}")
 
 
 def _series(runs: list[dict], xkey: str) -> list[tuple[str, list[dict]]]:

@@ -4,7 +4,6 @@ through a real tritonserver (the nvidia-pytriton wheel's 2.51 binary) with the s
 from __future__ import annotations
 
 import json
-import queue
 import re
 import urllib.error
 import urllib.request
@@ -12,12 +11,12 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from lightspec_backend.client import grpc_inputs, input_array, is_final
+from lightspec_backend.client import grpc_inputs, input_array
 from lightspec_backend.launcher import TritonServer
 from lightspec_backend.repository import write_model_repository
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from tests.e2e.test_triton_server import stop_cleanly
+from tests.e2e.test_triton_server import grpc_stream, stop_cleanly
 
 pytestmark = pytest.mark.triton
 
@@ -46,27 +45,6 @@ def reference(smoke_model):
 
 def greedy(reference: LLMEngine, max_tokens: int, **kw) -> str:
     return reference.generate([PROMPT], SamplingParams(max_tokens=max_tokens, **kw))[0].text
-
-
-def stream(url: str, model: str, inputs: list, timeout: float = 120.0):
-    """One request over a gRPC stream: (results with outputs, error or None)."""
-    client = grpcclient.InferenceServerClient(url)
-    results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    out = []
-    try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = results.get(timeout=timeout)
-            if error is not None:
-                return out, error
-            if result.get_response().outputs:
-                out.append(result)
-            if is_final(result):
-                return out, None
-    finally:
-        client.stop_stream()
-        client.close()
 
 
 def batched_inputs(**tensors) -> list:
@@ -121,14 +99,14 @@ def text_of(results) -> str:
 
 
 def test_vllm_backend_request_with_sampling_parameters_streams_the_plain_request_text(server, reference):
-    plain, err = stream(
+    plain, err = grpc_stream(
         server.grpc_url,
         "lightspec",
         grpc_inputs(text_input=PROMPT, max_tokens=12, stream=True, exclude_input_in_output=True),
     )
     assert err is None
     sp = json.dumps({"max_tokens": "12", "temperature": "0", "top_p": "1", "n": 1, "best_of": 1})
-    vllm, err = stream(server.grpc_url, "lightspec",
+    vllm, err = grpc_stream(server.grpc_url, "lightspec",
                        grpc_inputs(text_input=PROMPT, stream=True, sampling_parameters=sp,
                                    exclude_input_in_output=True, return_finish_reason=True,
                                    return_num_output_tokens=True))  # fmt: skip
@@ -138,7 +116,7 @@ def test_vllm_backend_request_with_sampling_parameters_streams_the_plain_request
 
 
 def test_unknown_sampling_parameters_key_is_invalid_arg_naming_it(server):
-    _, err = stream(
+    _, err = grpc_stream(
         server.grpc_url,
         "lightspec",
         grpc_inputs(text_input=PROMPT, sampling_parameters='{"max_tokens": 4, "top_kk": 3}'),
@@ -155,7 +133,7 @@ def trtllm_inputs(**extra) -> list:
 
 
 def test_trtllm_style_request_streams_through_the_batched_front(server, reference):
-    results, err = stream(
+    results, err = grpc_stream(
         server.grpc_url, "lightspec_batched", trtllm_inputs(stream=True, exclude_input_in_output=True)
     )
     assert err is None and len(results) > 1
@@ -166,14 +144,14 @@ def test_trtllm_style_request_streams_through_the_batched_front(server, referenc
 
 
 def test_trtllm_style_non_streaming_returns_one_batched_response_with_the_prompt(server, reference):
-    (result,), err = stream(server.grpc_url, "lightspec_batched", trtllm_inputs(min_length=12))
+    (result,), err = grpc_stream(server.grpc_url, "lightspec_batched", trtllm_inputs(min_length=12))
     assert err is None
     assert result.as_numpy("text_output")[0, 0].decode() == PROMPT + greedy(reference, 12, min_tokens=12)
 
 
 def test_trtllm_beam_width_2_is_invalid_arg_naming_it(server):
     inputs = batched_inputs(text_input=PROMPT, max_tokens=4, beam_width=2)
-    _, err = stream(server.grpc_url, "lightspec_batched", inputs)
+    _, err = grpc_stream(server.grpc_url, "lightspec_batched", inputs)
     assert err is not None and err.message().startswith("beam_width=2: not supported")
 
 

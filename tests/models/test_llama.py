@@ -119,29 +119,21 @@ def test_bfloat16_runner_is_as_close_to_transformers_bfloat16_as_transformers_is
     assert (ours.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
+TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
         LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
+            **TINY,
             attention_bias=True,
             eos_token_ids=(2, 3),
             rope_scaling=RopeScaling("llama3", 4.0, ORIGINAL, 1.0, 4.0),
         ),
         LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
+            **TINY,
             model_type="qwen3",
             head_dim=32,
             tie_word_embeddings=False,
