@@ -34,6 +34,7 @@ SAMPLING_KEYS: dict[str, tuple[str, str]] = {
     "min_tokens": ("min_tokens", _INT),
     "num_draft_tokens": ("num_draft_tokens", _INT),
     "priority": ("priority", _INT),
+    "stream_interval": ("stream_interval", _INT),
 }
 # vLLM keys accepted only with the value that leaves generation unchanged (None is always fine).
 NEUTRAL_KEYS: dict[str, object] = {

@@ -133,6 +133,7 @@ _FIELD_TENSORS = (
     ("min_tokens", "min_tokens", int),
     ("min_length", "min_tokens", int),
     ("ignore_eos", "ignore_eos", bool),
+    ("stream_interval", "stream_interval", int),
 )
 
 

@@ -75,6 +75,10 @@ INPUTS = [
     TensorSpec(
         "min_tokens", "INT32", (1,), doc="default 0; EOS, `end_id` and stop strings cannot end the output earlier"
     ),
+    TensorSpec(
+        "stream_interval", "INT32", (1,), doc="streamed responses carry at least this many new tokens, "
+        "the first and the last excepted; raises the model's `stream_interval`, never lowers it",
+    ),
     # -- the vLLM backend's convention (see :mod:`.conventions`)
     TensorSpec("sampling_parameters", "STRING", (1,), doc="vLLM backend: JSON object of vLLM SamplingParams keys"),
     TensorSpec("return_finish_reason", "BOOL", (1,), doc="vLLM backend: accepted; `finish_reason` is always sent"),

@@ -38,7 +38,8 @@ class SamplingParams:
     (``None``: engine default, ``0``: no speculation). Higher ``priority`` is admitted first and
     preempted last. Until ``min_tokens`` tokens are generated, the end tokens (EOS unless
     ``ignore_eos``, and ``end_id``) are masked out of the target's distribution and stop strings
-    are not matched, as vLLM does.
+    are not matched, as vLLM does. ``stream_interval`` raises the engine's
+    ``EngineConfig.stream_interval`` for this request (vLLM's rule: the larger of the two).
     """
 
     max_tokens: int = 64
@@ -52,6 +53,7 @@ class SamplingParams:
     num_draft_tokens: int | None = None
     priority: int = 0
     min_tokens: int = 0
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +72,8 @@ class SamplingParams:
             raise _bad("num_draft_tokens", self.num_draft_tokens, "must be >= 0")
         if self.seed is not None and self.seed < 0:
             raise _bad("seed", self.seed, "must be >= 0")
+        if self.stream_interval is not None and (not isinstance(self.stream_interval, int) or self.stream_interval < 1):
+            raise _bad("stream_interval", self.stream_interval, "must be a positive integer")
         if any(not s for s in self.stop):
             raise _bad("stop", self.stop, "stop strings must be non-empty")
         check_stop_strings("stop", self.stop)
@@ -147,7 +151,10 @@ class EngineConfig:
     (docs/benchmarks.md). ``dtype``: the target's and draft model's weights and KV pools
     (float32, bfloat16, float16; float32 by default, the fastest on most CPUs). ``kv_cache_memory``:
     the KV pool's size as bytes (``"2GiB"``) or a fraction of the memory available after the weights
-    (``"0.5"``); it sets ``num_kv_blocks`` (see ``engine.kv_budget``).
+    (``"0.5"``); it sets ``num_kv_blocks`` (see ``engine.kv_budget``). ``stream_interval``: a
+    request's deltas carry at least this many new tokens, except its first and its last (vLLM's
+    ``--stream-interval``); 1 hands out every step's tokens at once. A server sends a response per
+    delta, and at high concurrency each costs more than the tokens it carries (docs/benchmarks.md).
     """
 
     model_dir: str | None = None
@@ -173,6 +180,7 @@ class EngineConfig:
     mtp: str = MTP_FUSED
     dtype: str = "float32"
     kv_cache_memory: str | None = None
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -182,7 +190,7 @@ class EngineConfig:
         self.policy_kind, self.static_k = parse_policy(self.policy)
         if not 0 <= self.max_draft_tokens <= 16:
             raise _bad("max_draft_tokens", self.max_draft_tokens, "must be in 0..16")
-        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise _bad(name, v, "must be a positive integer")

@@ -90,6 +90,10 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 def _server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", help="target checkpoint (default: the embedded model)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config.pbtxt parameter for all models")
+    p.add_argument(
+        "--stream-interval", type=int, default=None, metavar="N",
+        help="tokens per streamed response but the first and the last, on both servers (default: each server's, 1)",
+    )  # fmt: skip
     p.add_argument("--url", help="gRPC HOST:PORT of a running server (explicit model control) instead of starting one")
     p.add_argument("--metrics-url", help="with --url: its metrics endpoint (default http://HOST:8002/metrics)")
     p.add_argument("--repository", help="write the generated model repository here (default: a temporary directory)")
@@ -156,6 +160,12 @@ def _overrides(args, prompts: list[Prompt], tokenizer, loads: list[Load]) -> dic
         out[key.strip()] = value.strip()
     if args.model_dir:
         out["model_dir"] = str(Path(args.model_dir).resolve())
+    if args.stream_interval is not None:
+        if args.stream_interval < 1 or "stream_interval" in out:
+            raise SystemExit("--stream-interval: a positive integer, given once (not also as --set stream_interval)")
+        out["stream_interval"] = str(args.stream_interval)
+        # vLLM's flag of the same name and meaning, so both servers stream alike
+        args.peer_arg = [*args.peer_arg, "--stream-interval", str(args.stream_interval)]
     if "num_kv_blocks" not in out:
         out["num_kv_blocks"] = _kv_blocks(args, out, prompts, tokenizer, loads)
     return out

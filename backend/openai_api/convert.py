@@ -36,7 +36,7 @@ def sampling_tensors(req: CompletionRequest | ChatCompletionRequest) -> dict[str
     length = _length(req)
     if length is not None:
         tensors["max_tokens"] = length[1]
-    for name in ("top_k", "seed", "num_draft_tokens", "priority", "ignore_eos"):
+    for name in ("top_k", "seed", "num_draft_tokens", "priority", "ignore_eos", "stream_interval"):
         if getattr(req, name) is not None:
             tensors[name] = getattr(req, name)
     if req.stop_list:

@@ -4,8 +4,8 @@ Every field the OpenAI API defines for ``/v1/completions`` and ``/v1/chat/comple
 by name. Fields LightSpec honours are used; fields that change nothing at their neutral value
 (``frequency_penalty=0``, ``user``, ``metadata``) are ignored; a field set to a value LightSpec
 cannot honour (``n=2``, ``logprobs``, tools) is refused with a 400 naming it, and so is a field the
-API does not define. A few extensions that vLLM's server also takes (``top_k``, ``ignore_eos``) and
-LightSpec's own ``num_draft_tokens`` and ``priority`` are accepted too.
+API does not define. A few extensions that vLLM's server also takes (``top_k``, ``ignore_eos``,
+``stream_interval``) and LightSpec's own ``num_draft_tokens`` and ``priority`` are accepted too.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class _Common(BaseModel):
     ignore_eos: bool | None = None
     num_draft_tokens: int | None = None
     priority: int | None = None
+    stream_interval: int | None = None
 
     def refuse_unsupported(self) -> None:
         """Raise a 400 naming the first field set to a value LightSpec cannot honour."""

@@ -324,7 +324,7 @@ class LLMEngine:
                 return self._finish(seq, "stop", flush=False)
             if seq.num_output >= sp.max_tokens:
                 return self._finish(seq, "length")
-        return take_delta(seq)
+        return take_delta(seq, interval=max(self.config.stream_interval, sp.stream_interval or 1))
 
     def _observe_token_times(self, seq: Sequence, n: int) -> None:
         now = time.perf_counter()

@@ -36,10 +36,13 @@ def sendable_chars(seq: Sequence) -> int:
     return len(text) - hold
 
 
-def take_delta(seq: Sequence, finished: bool = False) -> RequestDelta | None:
-    """What the request produced since its last delta (None: nothing new), marked as sent."""
-    end = len(seq.text) if finished else sendable_chars(seq)
+def take_delta(seq: Sequence, finished: bool = False, interval: int = 1) -> RequestDelta | None:
+    """What the request produced since its last delta (None: nothing new, or, unless finished,
+    fewer than ``interval`` new tokens after its first delta), marked as sent."""
     new_ids = seq.output_ids[seq.sent_tokens :]
+    if not finished and seq.sent_tokens and len(new_ids) < interval:
+        return None
+    end = len(seq.text) if finished else sendable_chars(seq)
     new_text = seq.text[seq.sent_chars : end] if end > seq.sent_chars else ""
     if not new_ids and not new_text and not finished:
         return None

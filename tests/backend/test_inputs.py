@@ -79,6 +79,7 @@ def test_utf8_text_is_decoded():
         ({"text_input": "a", "top_p": 1.5}, "top_p=1.5"),
         ({"text_input": "a", "top_k": -1}, "top_k=-1"),
         ({"text_input": "a", "num_draft_tokens": -2}, "num_draft_tokens=-2"),
+        ({"text_input": "a", "stream_interval": 0}, "stream_interval=0: must be a positive integer"),
         ({"text_input": "a", "stop_words": ["ok", ""]}, "stop_words="),
         ({"text_input": "a", "stop_words": [b"\xc3"]}, "stop_words: invalid UTF-8"),
         ({"text_input": "a", "stop_words": ["w"] * 10_000}, "stop_words: 10000 stop strings, at most 64"),
@@ -94,6 +95,15 @@ def test_invalid_input_error_names_the_tensor(tensors, starts):
     with pytest.raises(ValueError) as e:
         parse_request(getter(**tensors), max_model_len=512, vocab_size=64)
     assert str(e.value).startswith(starts), str(e.value)
+
+
+def test_stream_interval_from_a_tensor_or_vllm_sampling_parameters():
+    assert parse_request(getter(text_input="x", stream_interval=8)).params.stream_interval == 8
+    sp = '{"stream_interval": "3"}'
+    assert parse_request(getter(text_input="x", sampling_parameters=sp)).params.stream_interval == 3
+    assert parse_request(getter(text_input="x")).params.stream_interval is None
+    with pytest.raises(ValueError, match="stream_interval is also given by stream_interval"):
+        parse_request(getter(text_input="x", stream_interval=2, sampling_parameters=sp))
 
 
 def test_no_context_check_without_a_model_length():
@@ -120,6 +130,7 @@ def test_sampling_parameters_json_with_numbers_written_as_strings():
         ('{"logprobs": 1}', "sampling_parameters: logprobs=1: not supported"),
         ('{"max_tokens": "many"}', "sampling_parameters: max_tokens='many': expected an integer"),
         ('{"max_tokens": 0}', "sampling_parameters: max_tokens=0"),
+        ('{"stream_interval": 0}', "sampling_parameters: stream_interval=0"),
         ('{"ignore_eos": "maybe"}', "sampling_parameters: ignore_eos='maybe': expected true or false"),
         ("[1, 2]", "sampling_parameters: expected a JSON object"),
         ('{"max_tokens": ', "sampling_parameters: invalid JSON"),

@@ -190,6 +190,22 @@ def test_a_stream_gets_only_the_outputs_it_names(server, reference):
     assert results[-1].as_numpy("finish_reason")[0] == b"length"
 
 
+def test_stream_interval_coalesces_a_stream_into_fewer_responses(server, reference):
+    every, err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=24, stream=True, ignore_eos=True)
+    assert err is None
+    coalesced, err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=24, stream=True, ignore_eos=True,
+                                   stream_interval=6)  # fmt: skip
+    assert err is None
+    sizes = [len(r.as_numpy("output_ids").reshape(-1)) for r in coalesced]
+    assert all(n >= 6 for n in sizes[1:-1]), sizes
+    assert len(coalesced) < len(every) and sum(sizes) == 24
+    assert "".join(texts(coalesced)) == "".join(texts(every)) == greedy_ignoring_eos(reference, PROMPT, 24)
+
+
+def greedy_ignoring_eos(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
+    return reference.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].text
+
+
 def test_input_ids_prompt(server, reference):
     ids = reference.tokenizer.encode(PROMPT).ids
     (result,), err = grpc_generate(server.grpc_url, input_ids=ids, max_tokens=6, exclude_input_in_output=True)

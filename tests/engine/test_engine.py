@@ -73,6 +73,44 @@ def test_streamed_deltas_concatenate_to_the_full_output(smoke_model):
     assert eng.tok.decode(eng.tok.encode(prompt)) == prompt
 
 
+def _deltas(eng: LLMEngine, params: dict[str, SamplingParams]) -> dict[str, list]:
+    for rid, p in params.items():
+        eng.add_request(rid, "def parse(self, text):\n    ", p)
+    out: dict[str, list] = {rid: [] for rid in params}
+    while eng.has_unfinished():
+        for d in eng.step():
+            out[d.request_id].append(d)
+    return out
+
+
+@pytest.mark.parametrize("speculation", ["none", "ngram"])
+def test_stream_interval_coalesces_deltas_but_the_first_and_the_last(default_model, speculation):
+    """vLLM's rule: the first delta goes out at once, the last whatever it holds, every other one
+    carries at least the interval's tokens; a request's own interval may raise the engine's, never
+    lower it. The tokens and text are the same as delta by delta."""
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    raised = SamplingParams(max_tokens=40, ignore_eos=True, stream_interval=9)
+    lowered = SamplingParams(max_tokens=40, ignore_eos=True, stream_interval=1)
+    every = _deltas(LLMEngine(EngineConfig(speculation=speculation)), {"a": greedy})["a"]
+    eng = LLMEngine(EngineConfig(speculation=speculation, stream_interval=4))
+    runs = _deltas(eng, {"engine": greedy, "raised": raised, "lowered": lowered})
+    for rid, interval in (("engine", 4), ("raised", 9), ("lowered", 4)):
+        ds = runs[rid]
+        assert [t for d in ds for t in d.new_token_ids] == [t for d in every for t in d.new_token_ids]
+        assert "".join(d.new_text for d in ds) == "".join(d.new_text for d in every)
+        assert len(ds[0].new_token_ids) == len(every[0].new_token_ids), "the first delta must not wait"
+        assert all(len(d.new_token_ids) >= interval for d in ds[1:-1]), [len(d.new_token_ids) for d in ds]
+        assert ds[-1].finished and sum(d.finished for d in ds) == 1
+        assert len(ds) < len(every)
+
+
+def test_stream_interval_below_one_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="^stream_interval=0"):
+        SamplingParams(stream_interval=0)
+    with pytest.raises(ValueError, match="^stream_interval=0"):
+        EngineConfig(stream_interval=0)
+
+
 def test_stop_string_truncates_inside_an_accepted_block(default_model):
     prompt = heldout_prompts(1)[0]
     free, _ = run(default_model, [prompt], SamplingParams(max_tokens=40, ignore_eos=True), speculation="none")

@@ -56,6 +56,19 @@ def test_write_repository_writes_the_sweeps_models_and_prints_how_to_serve_them(
         bench.main([*argv, "--set", "num_threads"])
 
 
+def test_stream_interval_sets_the_models_parameter_and_vllms_flag_of_that_name(tmp_path, monkeypatch, capsys):
+    repo = tmp_path / "repo"
+    argv = ["--write-repository", str(repo), "--configs", "none", "--num-prompts", "2", "--stream-interval", "4"]
+    assert bench.main(argv) == 0
+    assert read_config_parameters(repo / "lightspec_none" / "config.pbtxt")["stream_interval"] == "4"
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    assert bench.main(["--peer", "vllm", "--peer-dry-run", "--num-prompts", "2", "--stream-interval", "4"]) == 0
+    servers = [ln for ln in capsys.readouterr().out.splitlines() if "vllm.entrypoints.openai.api_server" in ln]
+    assert servers and all(ln.endswith("--stream-interval 4") for ln in servers), servers
+    with pytest.raises(SystemExit, match="--stream-interval: a positive integer, given once"):
+        bench.main([*argv, "--set", "stream_interval=2"])
+
+
 # ---- one short sweep through a real server --------------------------------------------------------------------
 @pytest.mark.triton
 def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_model, tmp_path, monkeypatch, capsys):

@@ -20,11 +20,12 @@ def chat(**kw) -> ChatCompletionRequest:
 
 def test_completion_maps_every_sampling_field_to_its_tensor():
     req = completion(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=["\n\n", "END"], stream=True, top_k=4,
-                     ignore_eos=True, num_draft_tokens=2)  # fmt: skip
+                     ignore_eos=True, num_draft_tokens=2, stream_interval=5)  # fmt: skip
     t = request_tensors(req.single_prompt(), req)
     assert t == {
         "text_input": "def f():", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
         "stop_words": ["\n\n", "END"], "stream": True, "top_k": 4, "ignore_eos": True, "num_draft_tokens": 2,
+        "stream_interval": 5,
         "exclude_input_in_output": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
     }  # fmt: skip
 
@@ -61,6 +62,7 @@ def test_chat_max_completion_tokens_wins_and_conflicting_lengths_are_refused():
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
         ({"seed": -1}, "seed"),
+        ({"stream_interval": 0}, "stream_interval"),
         ({"seed": 1 << 64}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"n": 2}, "n"),
