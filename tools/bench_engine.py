@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -92,7 +93,7 @@ def batch_rows(engines: dict[str, LLMEngine], prompts: list[str], a: argparse.Na
 
 def peer_rows(a: argparse.Namespace, prompts: list[str]) -> list[dict]:
     """vLLM's rows, one process per configuration (see tools/peer_vllm_inprocess.py)."""
-    from lightspec_backend.bench.peer import find_peer_python, peer_configs, peer_env
+    from lightspec_backend.bench.peer import VLLM_ENV, find_peer_python, peer_configs, peer_env, vllm_engine_args
 
     from lightspec_core import default_model_dir
 
@@ -103,11 +104,11 @@ def peer_rows(a: argparse.Namespace, prompts: list[str]) -> list[dict]:
     rows = []
     for cfg in peer_configs(a.peer_configs, target.parent / "draft"):
         plan = {"model": str(target), "prompts": prompts, "max_tokens": a.max_tokens, "batches": a.batches,
-                "rounds": a.rounds, "config": cfg.config, "speculative": cfg.speculative}  # fmt: skip
-        env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **peer_env(a.peer_cpus)}
+                "rounds": a.rounds, "config": cfg.config, "speculative": cfg.speculative,
+                "engine_args": vllm_engine_args()}  # fmt: skip
         done = subprocess.run(
             [str(python), str(Path(__file__).with_name("peer_vllm_inprocess.py"))], input=json.dumps(plan),
-            capture_output=True, text=True, env={**__import__("os").environ, **env}, check=False,
+            capture_output=True, text=True, env={**os.environ, **VLLM_ENV, **peer_env(a.peer_cpus)}, check=False,
         )  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"vLLM ({cfg.config}) failed:\n{done.stderr[-3000:]}")
@@ -119,9 +120,8 @@ def with_peer_ratios(rows: list[dict], peers: list[dict]) -> list[dict]:
     """Every row (LightSpec's and vLLM's) with its ratio to vLLM none at its batch, and whether its
     greedy outputs equal LightSpec none's."""
     vllm_none = {p["batch"]: p["seconds"] for p in peers if p["config"] == "none"}
-    ours = {r["batch"]: r.pop("outputs") for r in rows if r["config"] == "none"}
-    for r in rows:
-        r.pop("outputs", None)
+    outputs = {(r["batch"], r["config"]): r.pop("outputs") for r in rows}
+    ours = {b: out for (b, c), out in outputs.items() if c == "none"}
     for p in peers:
         p["engine"], p["device"] = "vllm", "cpu"
         p["outputs_equal_none"] = p.pop("outputs") == ours.get(p["batch"])

@@ -6,7 +6,8 @@ Runs under the python of a vLLM environment (``lightspec bench --peer-venv-creat
 imports nothing of LightSpec. Reads a JSON plan on stdin::
 
     {"model": DIR, "prompts": [...], "max_tokens": 128, "batches": [1, 64], "rounds": 3,
-     "config": "ngram", "speculative": {...vLLM's speculative config, or null...}}
+     "config": "ngram", "speculative": {...vLLM's speculative config, or null...},
+     "engine_args": {...the rest of LLM's arguments, as the serving bench gives vLLM's server...}}
 
 and prints one JSON line per batch: the median-high time of ``rounds`` runs, the throughput, and the
 greedy output ids of the last run (the caller compares them with LightSpec's). One configuration per
@@ -49,11 +50,7 @@ def main() -> None:
     plan = json.load(sys.stdin)
     from vllm import LLM
 
-    # as the serving bench starts vLLM's server: float32 like the checkpoint, as many sequences and
-    # batched tokens as LightSpec's engine schedules, a tenth of host memory for the KV cache
-    llm = LLM(model=plan["model"], dtype="float32", max_model_len=1024, max_num_seqs=64,
-              max_num_batched_tokens=1024, gpu_memory_utilization=0.1, seed=0,
-              speculative_config=plan["speculative"])  # fmt: skip
+    llm = LLM(model=plan["model"], speculative_config=plan["speculative"], **plan["engine_args"])
     for row in rows_for(llm, plan["config"], plan):
         print(json.dumps(row), flush=True)
 

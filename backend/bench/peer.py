@@ -117,21 +117,30 @@ def peer_configs(names: list[str], draft_dir: str | Path, k: int = 4, ngram: tup
     return out
 
 
+# vLLM's process environment on this CPU build (with :func:`peer_env`'s placement)
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def vllm_engine_args(max_num_seqs: int = 64, max_model_len: int = 1024) -> dict:
+    """vLLM's engine arguments for a peer, its server's and its ``LLM``'s alike: float32 like the
+    checkpoint, as many sequences and batched tokens as LightSpec's engine schedules, a tenth of host
+    memory for the KV cache (on CPU ``gpu_memory_utilization`` is the share of host memory)."""
+    return {"dtype": "float32", "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max(1024, max_model_len), "gpu_memory_utilization": 0.1, "seed": 0}  # fmt: skip
+
+
 def vllm_command(
     python: str | Path, model_dir: str | Path, port: int, cfg: PeerConfig, max_num_seqs: int = 64,
     max_model_len: int = 1024, extra: list[str] | None = None,
 ) -> list[str]:  # fmt: skip
-    """The server command of one peer configuration: float32 like the checkpoint, as many sequences
-    and batched tokens as LightSpec's engine schedules, a tenth of host memory for the KV cache (on
-    CPU ``--gpu-memory-utilization`` is the share of host memory)."""
+    """The server command of one peer configuration, with :func:`vllm_engine_args`."""
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", str(max_model_len),
-        "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max(1024, max_model_len)),
-        "--gpu-memory-utilization", "0.1", "--seed", "0",
     ]  # fmt: skip
+    for key, value in vllm_engine_args(max_num_seqs, max_model_len).items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
     if cfg.speculative:
         cmd += ["--speculative-config", json.dumps(cfg.speculative)]
     return cmd + list(extra or [])
@@ -165,8 +174,7 @@ class VllmServer:
         return f"{self.url}/metrics"
 
     def start(self, timeout_s: float = 900.0) -> VllmServer:
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-        env.update(self.extra_env)
+        env = {**os.environ, **VLLM_ENV, **self.extra_env}
         with open(self.log_path, "w") as log:
             # a process group of its own: the engine core child goes with it at stop()
             self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
