@@ -63,7 +63,34 @@ def client_stats(records: list[Record], duration: float) -> dict:
         "mean_tpot_s": _finite(np.mean(tpot)) if tpot else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_step": decode_n / steps if steps else None,  # streamed tokens per engine step after the first
+        # requests in flight on average (Little's law): a closed loop at level C should hold about C
+        "mean_in_flight": _finite(lat.sum() / duration) if ok and duration > 0 else None,
     }
+
+
+def underloaded(runs: list[dict], fraction: float = 0.8) -> list[dict]:
+    """Closed-loop runs that held fewer than ``fraction`` of their level's requests in flight on
+    average: their throughput is that of a lower level (the server or the client stalled between
+    requests), and a ratio against them says so little about the level it is filed under."""
+    return [
+        r for r in runs
+        if r.get("concurrency") and r.get("mean_in_flight") is not None
+        and r["mean_in_flight"] < fraction * min(r["concurrency"], r.get("requests") or r["concurrency"])
+    ]  # fmt: skip
+
+
+def underloaded_note(runs: list[dict]) -> str | None:
+    """One line naming the :func:`underloaded` runs, or None."""
+    low = underloaded(runs)
+    if not low:
+        return None
+    def name(r: dict) -> str:
+        server = r.get("server", "lightspec")
+        return (r["model"] if server == "lightspec" else f"{server} {r['config']}") + (
+            f" {r['protocol']}" if r.get("protocol") else "")
+
+    names = "; ".join(f"{name(r)} c={r['concurrency']}: {r['mean_in_flight']:.1f} in flight" for r in low)
+    return f"note: fewer requests in flight than the level (latency x throughput / tokens), figures understated: {names}"
 
 
 def kind_stats(records: list[Record]) -> dict[str, dict]:

@@ -11,6 +11,8 @@ from lightspec_backend.bench.stats import (
     kind_stats,
     median_runs,
     ratio_rows,
+    underloaded,
+    underloaded_note,
 )
 
 
@@ -37,8 +39,23 @@ def test_client_stats_from_records():
     assert s["mean_latency_s"] == pytest.approx(0.4) and s["mean_ttft_s"] == pytest.approx(0.2)
     assert s["mean_itl_s"] == pytest.approx(0.4 / 4)
     assert s["acceptance_rate"] == 0.5 and s["tokens_per_step"] == pytest.approx(4 / 2)
+    assert s["mean_in_flight"] == pytest.approx(0.8)  # two successful requests of 0.4 s in 1 s
     failed = client_stats(_records()[2:], duration=1.0)  # no successful request: no latencies
-    assert failed["mean_latency_s"] is None and failed["mean_itl_s"] is None
+    assert failed["mean_latency_s"] is None and failed["mean_itl_s"] is None and failed["mean_in_flight"] is None
+
+
+def test_runs_that_held_fewer_requests_than_their_level_are_named():
+    runs = [
+        {"server": "lightspec", "model": "lightspec_none", "protocol": "grpc", "concurrency": 64, "requests": 128,
+         "mean_in_flight": 63.1},
+        {"server": "vllm", "config": "none", "protocol": "http", "concurrency": 64, "requests": 128,
+         "mean_in_flight": 21.8},
+        {"model": "lightspec_none", "concurrency": 16, "requests": 8, "mean_in_flight": 7.5},  # level > requests
+        {"model": "lightspec_none", "concurrency": None, "rate": 2.0, "mean_in_flight": 0.3},  # open loop
+    ]  # fmt: skip
+    assert underloaded(runs) == [runs[1]]
+    assert underloaded_note(runs).endswith("figures understated: vllm none http c=64: 21.8 in flight")
+    assert underloaded_note(runs[:1]) is None
 
 
 def test_kind_stats_split_the_successful_requests_by_prompt_kind():
