@@ -20,7 +20,7 @@ from .configs import DEFAULT_CONFIGS, RunConfig, parse_configs, stages_for, writ
 from .peer import PEER_CONFIGS, default_venv
 from .report import format_comparison, format_table, plot, save_results
 from .runner import QUICK, BenchPlan, Load, requests_rule, run_bench, run_with_server
-from .stats import dynamic_vs_static, underloaded_note
+from .stats import dynamic_vs_static, run_caveats
 from .workload import Prompt, default_prompts, load_tokenizer, read_prompts
 
 DEFAULT_CONCURRENCY = [1, 4, 16, 64]
@@ -223,8 +223,7 @@ def _report(args, argv: list[str], runs: list[dict], meta: dict) -> None:
     if comparison:
         print()
         print(format_comparison(comparison))
-    note = underloaded_note(runs)
-    if note:
+    for note in run_caveats(runs):
         print("\n" + note)
     print(f"\n{len(runs)} runs in {meta['elapsed_s']:.0f}s")
     save_results(args, argv, runs, comparison, meta, plot)

@@ -157,6 +157,26 @@ def peer_env(cpus: str = "auto") -> dict[str, str]:
     raise ValueError(f"cpus={cpus!r}: expected auto or all")
 
 
+SHM_DIR = Path("/dev/shm")
+# vLLM's shared-memory ring buffers (Python's SharedMemory names) and multiprocessing's semaphores
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def _shm_names() -> set[str]:
+    try:
+        return {p.name for p in SHM_DIR.iterdir()}
+    except OSError:
+        return set()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 class VllmServer:
     """One vLLM server process, started from :func:`vllm_command`, stopped by its own pid."""
 
@@ -164,6 +184,7 @@ class VllmServer:
         self.cmd, self.port, self.extra_env = cmd, port, env or {}
         self.log_path = Path(log_dir or tempfile.gettempdir()) / f"lightspec-peer-vllm-{port}.log"
         self.process: subprocess.Popen | None = None
+        self._shm_before: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -175,6 +196,7 @@ class VllmServer:
 
     def start(self, timeout_s: float = 900.0) -> VllmServer:
         env = {**os.environ, **VLLM_ENV, **self.extra_env}
+        self._shm_before = _shm_names()
         with open(self.log_path, "w") as log:
             # a process group of its own: the engine core child goes with it at stop()
             self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -201,8 +223,12 @@ class VllmServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the server's process group (its pid is the group's id), SIGKILL after ``timeout_s``."""
+    def stop(self, timeout_s: float = 30.0, children_grace_s: float = 5.0) -> None:
+        """SIGTERM to the server's process group (its pid is the group's id), SIGKILL after
+        ``timeout_s``; the group's other processes (the engine core) get ``children_grace_s`` to
+        finish their own cleanup before a SIGKILL. Shared-memory regions of vLLM's kinds that
+        appeared while the server ran and are still there afterwards are removed: a child killed
+        while it tore down leaves its ring buffers in /dev/shm."""
         p = self.process
         if p is None or p.poll() is not None:
             return
@@ -214,8 +240,15 @@ class VllmServer:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        with contextlib.suppress(ProcessLookupError):  # a child that outlived the server
+        deadline = time.monotonic() + children_grace_s
+        while _group_alive(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a child that outlived the server
             os.killpg(p.pid, signal.SIGKILL)
+        for name in _shm_names() - self._shm_before:
+            if name.startswith(VLLM_SHM_PREFIXES):
+                with contextlib.suppress(OSError):
+                    (SHM_DIR / name).unlink()
 
 
 def vllm_server_stats(before: Metrics | None, after: Metrics | None) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 from .peer import create_venv, default_venv, find_peer_python, peer_configs, peer_env, venv_plan, vllm_command
 from .report import format_peer_ratios, format_peer_table, plot_peer, save_results
 from .runner import BenchPlan
-from .stats import mark_mismatches, peer_ratios, underloaded_note
+from .stats import mark_mismatches, peer_ratios, run_caveats
 
 
 def _model_dirs(overrides: dict[str, str]) -> tuple[Path, Path]:
@@ -65,8 +65,7 @@ def _report(args, argv: list[str], runs: list[dict], meta: dict) -> None:
     compared = sum(r["compared"] for r in runs)
     print(f"\ntoken identity: {sum(r['mismatches'] for r in runs)} of {compared} requests differ from LightSpec none"
           + (f" (in {', '.join(sorted({str(r['concurrency']) for r in differ}))})" if differ else ""))  # fmt: skip
-    note = underloaded_note(runs)
-    if note:
+    for note in run_caveats(runs):
         print(note)
     print(f"{len(runs)} runs in {meta['elapsed_s']:.0f}s")
     save_results(args, argv, runs, ratios, meta, plot_peer)

@@ -187,17 +187,38 @@ def warm_up(url: str, model: str, plan: BenchPlan, stream=None) -> None:
         run_closed_loop(url, model, warm, min(2, plan.warmup), plan.timeout_s, stream)
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's CPU times (``/proc/stat``'s first line, in ticks), or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of CPU time the hypervisor gave to other machines between two :func:`cpu_times`
+    (the 8th field, ``steal``): on a shared VM a run that lost a third of its CPU says so here."""
+    if not before or not after or len(before) < 8:
+        return None
+    delta = [a - b for a, b in zip(after, before)]
+    total = sum(delta[:8])  # user .. steal; guest time is counted inside user already
+    return delta[7] / total if total > 0 else None
+
+
 def _measure(url: str, metrics_url: str | None, model: str, load: Load, plan: BenchPlan, stream=None):
-    """(records, duration, metrics before, metrics after) of one run after its warm-up."""
+    """(records, duration, metrics before, metrics after, CPU steal share) of one run after its warm-up."""
     warm_up(url, model, plan, stream)
     before = scrape(metrics_url)
     if before is not None:  # settle: the warm-up's counters must be in before the baseline is taken
         before = wait_for_requests(metrics_url, model, finished_requests(before, model), 2.0)
+    cpu_before = cpu_times()
     records, duration = _drive(url, model, load, plan, stream)
+    steal = steal_share(cpu_before, cpu_times())
     after = None
     if before is not None:
         after = wait_for_requests(metrics_url, model, finished_requests(before, model) + len(records))
-    return records, duration, before, after
+    return records, duration, before, after, steal
 
 
 def run_one(
@@ -207,7 +228,7 @@ def run_one(
     ``stream``: the client's ``make_stream`` (default gRPC; :func:`.sse.stream_factory` for HTTP).
     With ``plan.keep_ids`` the run keeps each request's generated token ids (``outputs``)."""
     model = cfg.model_name
-    records, duration, before, after = _measure(url, metrics_url, model, load, plan, stream)
+    records, duration, before, after, steal = _measure(url, metrics_url, model, load, plan, stream)
     run = {
         "config": cfg.config,
         "method": cfg.method,
@@ -217,6 +238,7 @@ def run_one(
         "pipeline_depth": cfg.pipeline_depth,
         "max_tokens": plan.max_tokens,
         "loadavg_1m": os.getloadavg()[0],  # other processes on the machine show here
+        "cpu_steal_share": steal,  # other machines on the host (a VM's stolen time) show here
         **client_stats(records, duration),
         **server_stats(before, after, model),
     }

@@ -79,18 +79,26 @@ def underloaded(runs: list[dict], fraction: float = 0.8) -> list[dict]:
     ]  # fmt: skip
 
 
-def underloaded_note(runs: list[dict]) -> str | None:
-    """One line naming the :func:`underloaded` runs, or None."""
-    low = underloaded(runs)
-    if not low:
-        return None
-    def name(r: dict) -> str:
-        server = r.get("server", "lightspec")
-        return (r["model"] if server == "lightspec" else f"{server} {r['config']}") + (
-            f" {r['protocol']}" if r.get("protocol") else "")
+def _run_name(r: dict) -> str:
+    server = r.get("server", "lightspec")
+    level = f"c={r['concurrency']}" if r.get("concurrency") else f"rate={r.get('rate')}"
+    name = r["model"] if server == "lightspec" else f"{server} {r['config']}"
+    return f"{name}{' ' + r['protocol'] if r.get('protocol') else ''} {level}"
 
-    names = "; ".join(f"{name(r)} c={r['concurrency']}: {r['mean_in_flight']:.1f} in flight" for r in low)
-    return f"note: fewer requests in flight than the level (latency x throughput / tokens), figures understated: {names}"
+
+def run_caveats(runs: list[dict], steal_threshold: float = 0.1) -> list[str]:
+    """Notes on runs whose figures say less than their level: :func:`underloaded` ones, and those
+    during which the hypervisor gave more than ``steal_threshold`` of the CPU to other machines."""
+    notes = []
+    low = underloaded(runs)
+    if low:
+        names = "; ".join(f"{_run_name(r)}: {r['mean_in_flight']:.1f} in flight" for r in low)
+        notes.append(f"note: fewer requests in flight than the level (latency x throughput / tokens): {names}")
+    stolen = [r for r in runs if (r.get("cpu_steal_share") or 0.0) > steal_threshold]
+    if stolen:
+        names = "; ".join(f"{_run_name(r)}: {100 * r['cpu_steal_share']:.0f} %" for r in stolen)
+        notes.append(f"note: CPU time taken by other machines on the host during: {names}")
+    return notes
 
 
 def kind_stats(records: list[Record]) -> dict[str, dict]:

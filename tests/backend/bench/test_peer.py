@@ -111,8 +111,10 @@ def test_the_server_process_is_ready_on_health_and_stopped_with_its_children(tmp
     child like vLLM's engine core): start waits for ``/health``, stop ends the process group."""
     (tmp_path / "health").write_text("ok")
     port = free_ports(1)[0]
+    ring, other = Path(f"/dev/shm/psm_lightspec_test_{port}"), Path(f"/dev/shm/lightspec_test_{port}")
     script = (
         "import subprocess, sys, http.server, functools;"
+        f"open({str(ring)!r}, 'w').close(); open({str(other)!r}, 'w').close();"  # a ring buffer left behind
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
         f"h = functools.partial(http.server.SimpleHTTPRequestHandler, directory={str(tmp_path)!r});"
         f"http.server.ThreadingHTTPServer(('127.0.0.1', {port}), h).serve_forever()"
@@ -131,6 +133,9 @@ def test_the_server_process_is_ready_on_health_and_stopped_with_its_children(tmp
     while _alive(children[0]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(children[0])
+    assert not ring.exists(), "a vLLM-kind shared-memory region outlived the server"
+    assert other.exists(), "a region of another kind is not the bench's to remove"
+    other.unlink()
 
 
 def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from lightspec_backend.bench.client import Record
+from lightspec_backend.bench.runner import cpu_times, steal_share
 from lightspec_backend.bench.stats import (
     client_stats,
     dynamic_vs_static,
@@ -11,8 +12,8 @@ from lightspec_backend.bench.stats import (
     kind_stats,
     median_runs,
     ratio_rows,
+    run_caveats,
     underloaded,
-    underloaded_note,
 )
 
 
@@ -54,8 +55,19 @@ def test_runs_that_held_fewer_requests_than_their_level_are_named():
         {"model": "lightspec_none", "concurrency": None, "rate": 2.0, "mean_in_flight": 0.3},  # open loop
     ]  # fmt: skip
     assert underloaded(runs) == [runs[1]]
-    assert underloaded_note(runs).endswith("figures understated: vllm none http c=64: 21.8 in flight")
-    assert underloaded_note(runs[:1]) is None
+    low = "note: fewer requests in flight than the level (latency x throughput / tokens): vllm none http c=64: 21.8 in flight"
+    assert run_caveats(runs) == [low]
+    assert run_caveats(runs[:1]) == []
+    runs[0]["cpu_steal_share"], runs[1]["cpu_steal_share"] = 0.28, 0.02
+    assert run_caveats(runs)[1] == "note: CPU time taken by other machines on the host during: lightspec_none grpc c=64: 28 %"
+
+
+def test_steal_share_is_the_steal_field_of_the_cpu_times_between_two_readings():
+    before = [100, 0, 10, 800, 0, 0, 0, 0, 0, 0]
+    after = [300, 0, 30, 1000, 0, 0, 0, 70, 0, 0]  # 200 user, 20 system, 200 idle, 70 steal
+    assert steal_share(before, after) == pytest.approx(70 / 490)
+    assert steal_share(None, after) is None and steal_share(before, before) is None
+    assert len(cpu_times()) >= 8  # this machine has /proc/stat
 
 
 def test_kind_stats_split_the_successful_requests_by_prompt_kind():
