@@ -71,7 +71,7 @@ def client_stats(records: list[Record], duration: float) -> dict:
 def underloaded(runs: list[dict], fraction: float = 0.8) -> list[dict]:
     """Closed-loop runs that held fewer than ``fraction`` of their level's requests in flight on
     average: their throughput is that of a lower level (the server or the client stalled between
-    requests), and a ratio against them says so little about the level it is filed under."""
+    requests), so a ratio against them does not describe the level they are filed under."""
     return [
         r for r in runs
         if r.get("concurrency") and r.get("mean_in_flight") is not None
