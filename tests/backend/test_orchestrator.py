@@ -133,18 +133,23 @@ def test_cancel_frees_the_request_and_zeroes_gauges(served, engine):
     assert pb.metric_value("vllm:generation_tokens_total") > 0
 
 
-def test_step_failure_fails_in_flight_requests_and_keeps_serving(served, engine, monkeypatch):
-    orch, pb = served
+def fail_second_step(engine, monkeypatch, error: Exception) -> None:
+    """The engine's second step raises ``error``; every other step runs as usual."""
     real_step = engine.step
     calls = {"n": 0}
 
-    def flaky_step(on_launched=None):
+    def step(on_launched=None):
         calls["n"] += 1
         if calls["n"] == 2:
-            raise RuntimeError("boom")
+            raise error
         return real_step(on_launched)
 
-    monkeypatch.setattr(engine, "step", flaky_step)
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_step_failure_fails_in_flight_requests_and_keeps_serving(served, engine, monkeypatch):
+    orch, pb = served
+    fail_second_step(engine, monkeypatch, RuntimeError("boom"))
     first = request(text_input="a = 1", max_tokens=50, ignore_eos=True)
     orch.submit(first)
     assert first.sender.wait_final(30)
@@ -173,16 +178,8 @@ def test_shutdown_answers_in_flight_requests(engine):
 
 def test_step_failure_of_a_dead_stage_is_unavailable_naming_it(served, engine, monkeypatch):
     orch, pb = served
-    real_step = engine.step
-    calls = {"n": 0}
-
-    def dead_stage_step(on_launched=None):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise StageUnavailable("stage model 'lightspec_target' unavailable: Stub process is not healthy.")
-        return real_step(on_launched)
-
-    monkeypatch.setattr(engine, "step", dead_stage_step)
+    fail_second_step(engine, monkeypatch,
+                     StageUnavailable("stage model 'lightspec_target' unavailable: Stub process is not healthy."))
     first = request(text_input="a = 1", max_tokens=50, ignore_eos=True)
     orch.submit(first)
     assert first.sender.wait_final(30)

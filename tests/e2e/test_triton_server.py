@@ -73,8 +73,8 @@ def reference(overrides):
     engine.close()
 
 
-def greedy(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
-    return reference.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].text
+def greedy(reference: LLMEngine, prompt: str, max_tokens: int, **params) -> str:
+    return reference.generate([prompt], SamplingParams(max_tokens=max_tokens, **params))[0].text
 
 
 def grpc_generate(url: str, timeout: float = 120.0, model: str = "lightspec", outputs: list[str] | None = None,
@@ -199,11 +199,7 @@ def test_stream_interval_coalesces_a_stream_into_fewer_responses(server, referen
     sizes = [len(r.as_numpy("output_ids").reshape(-1)) for r in coalesced]
     assert all(n >= 6 for n in sizes[1:-1]), sizes
     assert len(coalesced) < len(every) and sum(sizes) == 24
-    assert "".join(texts(coalesced)) == "".join(texts(every)) == greedy_ignoring_eos(reference, PROMPT, 24)
-
-
-def greedy_ignoring_eos(reference: LLMEngine, prompt: str, max_tokens: int) -> str:
-    return reference.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].text
+    assert "".join(texts(coalesced)) == "".join(texts(every)) == greedy(reference, PROMPT, 24, ignore_eos=True)
 
 
 def test_input_ids_prompt(server, reference):

@@ -74,13 +74,17 @@ def test_streamed_deltas_concatenate_to_the_full_output(smoke_model):
 
 
 def _deltas(eng: LLMEngine, params: dict[str, SamplingParams]) -> dict[str, list]:
-    for rid, p in params.items():
-        eng.add_request(rid, "def parse(self, text):\n    ", p)
-    out: dict[str, list] = {rid: [] for rid in params}
-    while eng.has_unfinished():
-        for d in eng.step():
-            out[d.request_id].append(d)
-    return out
+    """Every delta of each request, run to completion on ``eng``, which is closed afterwards."""
+    try:
+        for rid, p in params.items():
+            eng.add_request(rid, "def parse(self, text):\n    ", p)
+        out: dict[str, list] = {rid: [] for rid in params}
+        while eng.has_unfinished():
+            for d in eng.step():
+                out[d.request_id].append(d)
+        return out
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("speculation", ["none", "ngram"])
