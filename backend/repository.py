@@ -11,6 +11,7 @@ hand-edited repositories.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from lightspec_core.config import EngineConfig, resolve_dirs
@@ -208,11 +209,35 @@ def _stage_models(orch: dict[str, str]) -> dict[Role, str]:
 
 
 def write_model_repository(dst: str | Path, overrides: dict[str, str] | None = None) -> Path:
-    """Write ``dst/<model>/config.pbtxt`` and ``dst/<model>/1/`` for every model; return ``dst``."""
+    """Write ``dst/<model>/config.pbtxt`` and ``dst/<model>/1/`` for every model; return ``dst``.
+
+    Then remove the LightSpec models under ``dst`` that this render does not produce: an earlier
+    write with other overrides may have left stage models there, which would fail validation with
+    their old parameters or, if valid, make Triton load stages nobody calls. Only folders whose
+    config.pbtxt names ``backend: "lightspec"`` are removed; other backends' models, and folders
+    without a config.pbtxt, are a user's and stay."""
     dst = Path(dst)
-    for name, text in render_repository(overrides).items():
+    rendered = render_repository(overrides)
+    for name, text in rendered.items():
         (dst / name / "1").mkdir(parents=True, exist_ok=True)
         (dst / name / "1" / ".gitkeep").touch()
         (dst / name / "config.pbtxt").write_text(text)
+    for folder in sorted(dst.iterdir()):
+        if folder.name not in rendered and _written_by_lightspec(folder):
+            shutil.rmtree(folder)
     return dst
 
+
+def _written_by_lightspec(folder: Path) -> bool:
+    """Whether ``folder`` is a real directory whose config.pbtxt names the LightSpec backend (parsed
+    with Triton's own schema). A link, or a config that does not parse, is left to its owner."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = folder / "config.pbtxt"
+    if folder.is_symlink() or not folder.is_dir() or not config.is_file():
+        return False
+    try:
+        return text_format.Parse(config.read_text(), model_config_pb2.ModelConfig()).backend == BACKEND
+    except text_format.ParseError:
+        return False

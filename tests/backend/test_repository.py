@@ -138,3 +138,35 @@ def test_stages_local_renders_no_stage_models_and_threads_per_cpu():
     assert '{ key: "stages" value: { string_value: "local" } }' in orch
     assert '{ key: "num_threads" value: { string_value: "0" } }' in orch  # the one process that computes
     assert '{ key: "num_threads" value: { string_value: "1" } }' in render_repository({})["lightspec"]
+
+
+def test_rewrite_removes_stage_models_the_new_render_drops(tmp_path):
+    """A repository written once with stage models and then with ``stages: local`` holds only the
+    orchestrator and the batched front: the stale stages (with their old parameters) are gone."""
+    first = write_model_repository(tmp_path, {"mtp": "lightspec_mtp", "speculation": "draft", "policy": "bogus"})
+    stages = {"lightspec_target", "lightspec_mtp", "lightspec_draft"}
+    assert stages <= {p.name for p in first.iterdir()}
+    repo = write_model_repository(tmp_path, {"stages": "local"})
+    assert sorted(p.name for p in repo.iterdir()) == ["lightspec", "lightspec_batched"]
+    for name in ("lightspec", "lightspec_batched"):
+        assert parse((repo / name / "config.pbtxt").read_text()).backend == "lightspec"
+    assert read_config_parameters(repo / "lightspec" / "config.pbtxt")["stages"] == "local"
+
+
+def test_rewrite_keeps_other_backends_models_and_folders_without_a_config(tmp_path):
+    write_model_repository(tmp_path, {"mtp": "lightspec_mtp"})
+    onnx = tmp_path / "my_onnx_model"
+    (onnx / "1").mkdir(parents=True)
+    (onnx / "config.pbtxt").write_text('name: "my_onnx_model"\nbackend: "onnxruntime"\nmax_batch_size: 0\n')
+    (tmp_path / "notes" / "1").mkdir(parents=True)
+    (tmp_path / "notes" / "1" / "data.txt").write_text("mine")
+    broken = tmp_path / "half_edited"
+    broken.mkdir()
+    (broken / "config.pbtxt").write_text('backend: "lightspec"\nthis is not a config {')
+    (tmp_path / "README").write_text("my models")
+    repo = write_model_repository(tmp_path, {"stages": "local"})
+    assert sorted(p.name for p in repo.iterdir()) == [
+        "README", "half_edited", "lightspec", "lightspec_batched", "my_onnx_model", "notes",
+    ]  # fmt: skip
+    assert parse((onnx / "config.pbtxt").read_text()).backend == "onnxruntime" and (onnx / "1").is_dir()
+    assert (tmp_path / "notes" / "1" / "data.txt").read_text() == "mine"
