@@ -78,14 +78,19 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     from lightspec_backend.control import ControlDir, restarts_from_env
     from lightspec_backend.metrics import MetricsReporter
     from lightspec_backend.orchestrator import Orchestrator
-    from lightspec_backend.params import STAGES_LOCAL
+    from lightspec_backend.params import STAGES_LOCAL, STAGES_PROCESS
 
     if not pb_utils.using_decoupled_model_transaction_policy(model_config):
         raise ValueError("model_transaction_policy: the orchestrator must be decoupled (decoupled: true)")
     for note in check_stage_configs(config, repository):
         pb_utils.Logger.log_warn(f"[lightspec] {note}")
     control = ControlDir.from_env()
-    engine = _local_engine(config) if config.stages == STAGES_LOCAL else _bls_engine(config, control)
+    if config.stages == STAGES_LOCAL:
+        engine = _local_engine(config)
+    elif config.stages == STAGES_PROCESS:
+        engine = _process_engine(config, control)
+    else:
+        engine = _bls_engine(config, control)
     reporter = None
     if config.metrics:
         try:
@@ -111,6 +116,21 @@ def _local_engine(config):
     keep_freed_memory()  # as in a stage process: a step's large temporaries reuse freed memory
     engine = LLMEngine(config.engine)
     pb_utils.Logger.log_info(f"[lightspec] stages in this process: {', '.join(engine.executor.runners)}")
+    return engine
+
+
+def _process_engine(config, control):
+    """``stages: process``: the engine and its stages in a child process of this one, which only
+    parses requests and sends responses; a child that dies is reported to the supervisor."""
+    from lightspec_core.engine.process import EngineProcess
+
+    def on_exit(message: str) -> None:
+        pb_utils.Logger.log_error(f"[lightspec] {message}")
+        if control is not None:  # lightspec serve's supervisor restarts the server
+            control.report_fault("engine", message)
+
+    engine = EngineProcess(config.engine, on_exit=on_exit)
+    pb_utils.Logger.log_info(f"[lightspec] engine and stages in process {engine.pid}")
     return engine
 
 

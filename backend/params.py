@@ -41,8 +41,11 @@ BACKEND_PARAMS += ("stage_timeout_s",)  # the orchestrator's deadline for one st
 # Where the orchestrator's engine runs its stages: ``triton``, the stage models reached by BLS (each
 # replaceable by another engine, e.g. TensorRT on a GPU); ``local``, in the orchestrator's own
 # process, as the library does: no BLS round trip and no tensor copies through the stub per step,
-# for stages that share the orchestrator's device (docs/benchmarks.md).
-STAGES_PARAM, STAGES_TRITON, STAGES_LOCAL = "stages", "triton", "local"
+# for stages that share the orchestrator's device (docs/benchmarks.md); ``process``, as ``local`` but
+# with the engine in a child process of the orchestrator's (vLLM's engine-core layout), so that
+# sending responses does not hold the interpreter lock the engine's step needs.
+STAGES_PARAM, STAGES_TRITON, STAGES_LOCAL, STAGES_PROCESS = "stages", "triton", "local", "process"
+STAGES_IN_ORCHESTRATOR = (STAGES_LOCAL, STAGES_PROCESS)  # no stage models: the orchestrator runs them
 BACKEND_PARAMS += (STAGES_PARAM,)
 ENGINE_PARAMS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 # Parameters that were folded into ``mtp``: a config that still sets them fails naming the new one.
@@ -62,11 +65,11 @@ class BackendConfig:
     stage_models: dict[str, str]  # engine stage name ("target", "mtp", "draft") -> Triton model name
     orchestrator_model: str = FRONT_TARGET_PARAM[1]  # role batched: the model it forwards to
     stage_timeout_s: float = 30.0  # a stage call unanswered this long fails its step UNAVAILABLE
-    stages: str = STAGES_TRITON  # ``local``: every stage in the orchestrator's process
+    stages: str = STAGES_TRITON  # ``local``/``process``: every stage with the orchestrator's engine
 
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls by BLS with this speculation method."""
-        if self.stages == STAGES_LOCAL:
+        if self.stages in STAGES_IN_ORCHESTRATOR:
             return []
         method = self.engine.speculation
         remote = method in ("mtp", "draft") and self.engine.speculative and not self.local_stage(method)
@@ -205,9 +208,9 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
 
 def _stages(params: dict[str, str]) -> str:
     value = params.get(STAGES_PARAM, "").strip() or STAGES_TRITON
-    if value not in (STAGES_TRITON, STAGES_LOCAL):
-        raise _bad(STAGES_PARAM, value, f"expected {STAGES_TRITON} (stage models over BLS) or {STAGES_LOCAL} "
-                   "(in the orchestrator's process)")
+    if value not in (STAGES_TRITON, *STAGES_IN_ORCHESTRATOR):
+        raise _bad(STAGES_PARAM, value, f"expected {STAGES_TRITON} (stage models over BLS), {STAGES_LOCAL} "
+                   f"(in the orchestrator's process) or {STAGES_PROCESS} (in a child process of it)")
     return value
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from lightspec_core.config import EngineConfig, resolve_dirs
 from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, ProfileCall, ProfileResult
 
-from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, STAGES_LOCAL, STAGES_PARAM, STAGES_TRITON, Role
+from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, STAGES_IN_ORCHESTRATOR, STAGES_PARAM, STAGES_TRITON, Role
 from .tensors import INPUTS, OUTPUTS, TensorSpec
 
 ORCHESTRATOR = "lightspec"
@@ -117,7 +117,7 @@ def orchestrator_parameters(overrides: dict[str, str]) -> dict[str, str]:
     orchestrator is the one process that computes, so its ``num_threads`` defaults to torch's own
     (a thread per CPU) instead of 1."""
     out = {**default_parameters(), **overrides}
-    if out[STAGES_PARAM] == STAGES_LOCAL and "num_threads" not in overrides:
+    if out[STAGES_PARAM] in STAGES_IN_ORCHESTRATOR and "num_threads" not in overrides:
         out["num_threads"] = "0"
     return out
 
@@ -196,7 +196,7 @@ def _stage_models(orch: dict[str, str]) -> dict[Role, str]:
     speculation, or wherever the target has a draft model beside it (the embedded family does, so
     its repository can switch to ``speculation: draft``); a user's model without one gets none,
     which would fail its load."""
-    if orch.get(STAGES_PARAM) == STAGES_LOCAL:
+    if orch.get(STAGES_PARAM) in STAGES_IN_ORCHESTRATOR:
         return {}  # the orchestrator runs them itself
     names = {Role.TARGET: orch["target_model"]}
     if orch["mtp"] not in (LOCAL, FUSED):

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..params import FUSED, LOCAL, STAGES_LOCAL, STAGES_PARAM, Role
+from ..params import FUSED, LOCAL, STAGES_IN_ORCHESTRATOR, STAGES_PARAM, Role
 from ..repository import (
     STAGE_PARAMS,
     default_parameters,
@@ -115,7 +115,7 @@ def stages_for(configs: list[RunConfig], overrides: dict[str, str] | None = None
     a configuration's heads run there (not at ``local`` or ``fused``), the draft model when used;
     none at ``stages: local``, where each orchestrator runs its own."""
     params = {**default_parameters(), **(overrides or {})}
-    if params[STAGES_PARAM] == STAGES_LOCAL:
+    if params[STAGES_PARAM] in STAGES_IN_ORCHESTRATOR:
         return []
     base = params["mtp"]
     remote_heads = any((c.mtp or base) not in (LOCAL, FUSED) for c in configs if c.method == "mtp")
@@ -129,7 +129,7 @@ def write_bench_repository(
     """The stage models plus one orchestrator per configuration (and the plain ``lightspec`` one)."""
     fused = any(c.mtp == FUSED for c in configs)  # then the shared target stage loads the heads
     dst = write_model_repository(dst, {**overrides, "mtp": FUSED} if fused else overrides)
-    local = overrides.get(STAGES_PARAM) == STAGES_LOCAL
+    local = overrides.get(STAGES_PARAM) in STAGES_IN_ORCHESTRATOR
     if any(c.method == "draft" for c in configs) and not local and not (dst / DRAFT_STAGE / "config.pbtxt").is_file():
         # the generated repository has a draft stage only for speculation draft; the shared one here
         # serves the draft configurations beside the others

@@ -41,6 +41,22 @@ from .text import take_delta, truncate_at_stop
 log = logging.getLogger("lightspec")
 
 
+def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: str | list[int],
+                   params: SamplingParams) -> list[int]:
+    """The prompt's token ids, or a ``ValueError`` naming ``prompt`` or ``max_tokens``."""
+    ids = tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("prompt: empty prompt")
+    if any(t < 0 or t >= vocab for t in ids):
+        raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt: {len(ids)} tokens, the context holds {max_model_len}")
+    if len(ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
+                         f"context of {max_model_len} tokens")
+    return ids
+
+
 def _stamp_done(fut: Future) -> None:
     """For an executor whose futures come without ``t_done`` (see ``Executor``): late by whatever
     the waiting thread does before the callback gets the interpreter."""
@@ -119,18 +135,7 @@ class LLMEngine:
         self.stats.counters["prompt_tokens_total"] += len(ids)
 
     def _checked_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        ids = self.tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt: empty prompt")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens, the context holds {self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
-                             f"context of {self.max_model_len} tokens")
-        return ids
+        return checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; the next ``step()`` returns its final ``cancelled`` delta."""

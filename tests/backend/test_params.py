@@ -206,9 +206,10 @@ def test_a_kv_budget_is_bytes_in_a_repository():
         parse_backend_config({"kv_cache_memory": "0.5"})
 
 
-def test_stages_is_triton_or_local_and_local_calls_no_stage_model():
+def test_stages_is_triton_local_or_process_and_only_triton_calls_stage_models():
     assert parse_backend_config({}).stages_in_use() == ["target"]
-    local = parse_backend_config({"stages": "local", "speculation": "draft"})
-    assert local.stages == "local" and local.stages_in_use() == []
-    with pytest.raises(ValueError, match=r"parameter stages='bls': expected triton .* or local"):
+    for stages in ("local", "process"):
+        cfg = parse_backend_config({"stages": stages, "speculation": "draft"})
+        assert cfg.stages == stages and cfg.stages_in_use() == []
+    with pytest.raises(ValueError, match=r"parameter stages='bls': expected triton .*, local .* or process"):
         parse_backend_config({"stages": "bls"})

@@ -131,11 +131,12 @@ def test_trtllm_and_vllm_backend_inputs_are_declared_optional():
         assert names[name].optional, name
 
 
-def test_stages_local_renders_no_stage_models_and_threads_per_cpu():
-    models = render_repository({"stages": "local"})
+@pytest.mark.parametrize("stages", ["local", "process"])
+def test_stages_with_the_engine_render_no_stage_models_and_threads_per_cpu(stages):
+    models = render_repository({"stages": stages})
     assert set(models) == {"lightspec", "lightspec_batched"}
     orch = models["lightspec"]
-    assert '{ key: "stages" value: { string_value: "local" } }' in orch
+    assert f'{{ key: "stages" value: {{ string_value: "{stages}" }} }}' in orch
     assert '{ key: "num_threads" value: { string_value: "0" } }' in orch  # the one process that computes
     assert '{ key: "num_threads" value: { string_value: "1" } }' in render_repository({})["lightspec"]
 

@@ -1,6 +1,7 @@
-"""``stages: local``: the orchestrator runs its stages in its own process. The repository has no
-stage models, the server answers with plain greedy decoding's text for MTP and draft-model
-speculation, and the metrics still count the drafts it verified."""
+"""``stages: local`` and ``process``: the orchestrator runs its stages in its own process, or its
+engine with them in a child process. The repository has no stage models, the server answers with
+plain greedy decoding's text for MTP and draft-model speculation, the metrics still count the drafts
+it verified, and a request the engine cannot take is refused naming the field."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from tests.e2e.test_triton_server import grpc_generate, stop_cleanly, texts
 
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(root):", "class Stack:\n    def push(self, x):"]
-OVERRIDES = {"stages": "local", "num_kv_blocks": "128", "block_size": "16", "policy": "static:3"}
+OVERRIDES = {"num_kv_blocks": "128", "block_size": "16", "policy": "static:3"}
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,11 @@ def reference():
     engine.close()
 
 
-@pytest.fixture(scope="module", params=["mtp", "draft"])
+@pytest.fixture(scope="module", params=[("local", "mtp"), ("local", "draft"), ("process", "mtp")])
 def server(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"local-{request.param}")
-    repo = write_model_repository(root / "repo", {**OVERRIDES, "speculation": request.param})
+    stages, speculation = request.param
+    root = tmp_path_factory.mktemp(f"{stages}-{speculation}")
+    repo = write_model_repository(root / "repo", {**OVERRIDES, "stages": stages, "speculation": speculation})
     srv = TritonServer(repo, cache_dir=root / "cache", model_control_mode="explicit", load_models=["lightspec"])
     srv.start(timeout_s=600)
     yield srv
@@ -57,3 +59,13 @@ def test_concurrent_greedy_streams_equal_decoding_without_speculation(server, re
     name = exported_name("spec_decode_num_draft_tokens_total")
     drafted = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name)]
     assert drafted and drafted[0] > 0, f"{name} not exported or zero"
+
+
+@pytest.mark.triton
+def test_a_request_beyond_the_context_is_refused_naming_max_tokens(server):
+    """Within the context alone, beyond it with the prompt: a check only the engine's side makes."""
+    results, err = grpc_generate(server.grpc_url, text_input=PROMPTS[0], max_tokens=1023, stream=True)
+    assert err is not None and "max_tokens=1023: prompt" in str(err) and "exceeds the context" in str(err)
+    assert not results
+    results, err = grpc_generate(server.grpc_url, text_input=PROMPTS[0], max_tokens=4, stream=True)
+    assert err is None and texts(results)  # the next request is served

@@ -1,0 +1,98 @@
+"""EngineProcess: the engine in a child process answers as the engine does in this one, refuses bad
+prompts here, and a child that dies ends its requests, and later ones, with an error."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+from lightspec_core.engine.process import EngineProcess
+
+PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(root):", "class Stack:\n    def push(self, x):"]
+
+
+def drive(engine, requests: dict[str, tuple[str, SamplingParams]], abort: str | None = None) -> dict:
+    """Add ``requests``, step until they end (aborting ``abort`` after the first step): rid -> (ids, deltas)."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    out = {rid: ([], []) for rid in requests}
+    steps = 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            out[d.request_id][0].extend(d.new_token_ids)
+            out[d.request_id][1].append(d)
+        steps += 1
+        if steps == 1 and abort is not None:
+            engine.abort(abort)
+    return out
+
+
+@pytest.fixture(scope="module")
+def child(smoke_model):
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", policy="dynamic")
+    engine = EngineProcess(cfg, stats_interval_s=0.0)
+    yield engine, cfg
+    engine.close()
+
+
+def test_greedy_outputs_equal_the_engine_in_this_process(child):
+    engine, cfg = child
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    got = drive(engine, {str(i): (p, params) for i, p in enumerate(PROMPTS)})
+    local = LLMEngine(cfg)
+    try:
+        want = local.generate(PROMPTS, params)
+    finally:
+        local.close()
+    assert [got[str(i)][0] for i in range(len(PROMPTS))] == [o.output_token_ids for o in want]
+    finals = [d for _, ds in got.values() for d in ds if d.finished]
+    assert len(finals) == len(PROMPTS) and {d.finish_reason for d in finals} == {"length"}
+    snapshot = engine.stats.snapshot()  # reported by the child with its last step
+    assert snapshot["generation_tokens_total"] >= 24 * len(PROMPTS)
+    assert snapshot["spec_decode_num_draft_tokens_total"] > 0
+    names = {name for name, _, _ in engine.stats.drain_observations()}
+    assert {"time_to_first_token_seconds", "e2e_request_latency_seconds"} <= names
+
+
+def test_a_bad_prompt_is_refused_here_naming_the_field_and_counted(child):
+    engine, _ = child
+    before = engine.stats.snapshot()["request_failure_total"]
+    with pytest.raises(ValueError, match=r"max_tokens=100000: prompt \(\d+ tokens\) \+ max_tokens exceeds"):
+        engine.add_request("too-long", "def f():", SamplingParams(max_tokens=100_000))
+    with pytest.raises(ValueError, match="prompt: empty prompt"):
+        engine.add_request("empty", "", SamplingParams())
+    assert engine.stats.snapshot()["request_failure_total"] == before + 2
+    assert not engine.has_unfinished()
+
+
+def test_an_aborted_request_ends_cancelled_and_the_others_finish(child):
+    engine, _ = child
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    got = drive(engine, {"keep": (PROMPTS[0], params), "drop": (PROMPTS[1], params)}, abort="drop")
+    assert got["drop"][1][-1].finish_reason == "cancelled" and len(got["drop"][0]) < 64
+    assert got["keep"][1][-1].finish_reason == "length" and len(got["keep"][0]) == 64
+
+
+def test_a_child_that_dies_fails_its_requests_and_every_later_one(smoke_model):
+    exits: list[str] = []
+    engine = EngineProcess(EngineConfig(model_dir=str(smoke_model / "target"), speculation="none"),
+                           on_exit=exits.append)  # fmt: skip
+    try:
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True))
+        engine.step()
+        os.kill(engine.pid, signal.SIGKILL)
+        finals = []
+        while engine.has_unfinished():  # the deltas it sent before it died come first
+            finals += [d for d in engine.step() if d.finished]
+        assert exits == ["the engine process is unavailable: it exited (code -9)"]
+        [failed] = finals
+        assert (failed.request_id, failed.finish_reason, failed.error) == ("a", "error", exits[0])
+        engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=4))
+        [later] = engine.step()
+        assert later.request_id == "b" and later.finish_reason == "error" and "exited" in later.error
+        assert not engine.has_unfinished() and len(exits) == 1
+    finally:
+        engine.close()
