@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from lightspec_backend.metrics import MetricsReporter
 
-from tests.fakes import FakeMetricFamily, FakePbUtils
+from tests.fakes import FakeMetric, FakeMetricFamily, FakePbUtils
 
 LABELS = {"model_name": "lightspec", "engine": "0"}
 
@@ -68,7 +69,35 @@ def test_observations_become_histograms_with_labels():
     assert fam.kind == FakeMetricFamily.HISTOGRAM
     assert pb.metric_value("lightspec:stage_latency_seconds", stage="target") == 2
     assert pb.metric_value("lightspec:stage_latency_seconds", stage="mtp") == 1
-    assert pb.families["lightspec:draft_tokens_per_step"].metrics[0].buckets[0] == 0
+    assert pb.metric_value("lightspec:draft_tokens_per_step_count") == 1
+
+
+def bucket_values(pb, family: str) -> dict[str, float]:
+    return {m.labels["le"]: m.value for m in pb.families[family].metrics}
+
+
+def test_per_token_histograms_are_binned_into_counter_series_once_per_publish(monkeypatch):
+    """Prometheus' histogram series, built here: cumulative ``le`` buckets, ``_sum``, ``_count``,
+    one increment per bucket that changed, however many observations a publish carries."""
+    pb = FakePbUtils()
+    r = MetricsReporter(pb, LABELS)
+    r.publish({}, [("inter_token_latency_seconds", v, {}) for v in (0.004, 0.01, 0.03, 0.03, 100.0)])
+    r.publish({}, [("inter_token_latency_seconds", 0.06, {}), ("draft_tokens_per_step", 2, {})])
+    assert "vllm:inter_token_latency_seconds" not in pb.families
+    buckets = bucket_values(pb, "vllm:inter_token_latency_seconds_bucket")
+    assert (buckets["0.01"], buckets["0.025"], buckets["0.05"], buckets["0.075"], buckets["80"]) == (2, 2, 4, 5, 5)
+    assert buckets["+Inf"] == 6 and len(buckets) == 20  # vLLM's 19 bounds and +Inf
+    assert pb.metric_value("vllm:inter_token_latency_seconds_count") == 6
+    assert pb.metric_value("vllm:inter_token_latency_seconds_sum") == pytest.approx(100.134)
+    assert pb.families["vllm:inter_token_latency_seconds_count"].kind == FakeMetricFamily.COUNTER
+    k = bucket_values(pb, "lightspec:draft_tokens_per_step_bucket")
+    assert (k["1"], k["2"], k["+Inf"]) == (0, 1, 1)
+    increments: list[float] = []
+    real = FakeMetric.increment
+    monkeypatch.setattr(FakeMetric, "increment", lambda m, v: (increments.append(v), real(m, v)))
+    r.publish({}, [("inter_token_latency_seconds", 0.02, {}) for _ in range(1000)])
+    assert bucket_values(pb, "vllm:inter_token_latency_seconds_bucket")["0.025"] == 1002
+    assert len(increments) == 19 + 2  # the buckets from 0.025 up (18 bounds and +Inf), _sum, _count: not 1000
 
 
 def test_non_numeric_snapshot_values_are_skipped():
@@ -91,7 +120,7 @@ def test_vllm_names_for_vllm_quantities_and_no_old_duplicates():
     assert pb.metric_value("lightspec:request_failure_total") == 3
     assert pb.metric_value("vllm:spec_decode_num_drafts_total") == 4
     assert pb.metric_value("vllm:prompt_tokens_total") == 9
-    assert pb.families["vllm:inter_token_latency_seconds"].kind == FakeMetricFamily.HISTOGRAM
+    assert pb.families["vllm:inter_token_latency_seconds_bucket"].kind == FakeMetricFamily.COUNTER
     # vLLM's buckets: 1-2-5 up to the context length for token counts, its TTFT list for latency
     assert pb.families["vllm:request_generation_tokens"].metrics[0].buckets == [1, 2, 5, 10, 20, 50, 100]
     assert pb.families["vllm:time_to_first_token_seconds"].metrics[0].buckets[:3] == [0.001, 0.005, 0.01]

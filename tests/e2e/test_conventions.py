@@ -16,7 +16,7 @@ from lightspec_backend.launcher import TritonServer
 from lightspec_backend.repository import write_model_repository
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from tests.e2e.test_triton_server import grpc_stream, stop_cleanly
+from tests.e2e.test_triton_server import grpc_stream, stop_cleanly, wait_for
 
 pytestmark = pytest.mark.triton
 
@@ -236,8 +236,9 @@ def test_rejected_request_counts_as_a_failure(server):
 def test_metrics_are_exported_under_vllm_names(server):
     status, _ = http_post(server, "/v2/models/lightspec/generate", {"text_input": PROMPT, "max_tokens": 16})
     assert status == 200
-    text = scrape(server)
     labels = {"model_name": "lightspec", "engine": "0"}
+    # the response goes out before the metrics thread publishes the request's statistics
+    text = wait_for(lambda: (t := scrape(server)) and 'vllm:e2e_request_latency_seconds_count{' in t and t)
     assert sample(text, "vllm:request_success_total", finished_reason="length", **labels) >= 1
     assert sample(text, "vllm:generation_tokens_total", **labels) >= 16
     assert sample(text, "vllm:prompt_tokens_total", **labels) > 0
