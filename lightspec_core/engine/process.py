@@ -98,7 +98,7 @@ class EngineProcess:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send((config, stats_interval_s))
-        self._on_exit = on_exit
+        self._on_exit = None  # a child that fails to load is the load's error, not a fault to report
         self._dead: str | None = None
         self._unfinished: set[str] = set()
         self._failed: list[tuple[str, str]] = []
@@ -111,6 +111,7 @@ class EngineProcess:
         self.tokenizer = self.tok.tokenizer
         self.stats = RemoteStats(ready["snapshot"])
         self.pid = self._proc.pid
+        self._on_exit = on_exit
 
     def _wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -96,3 +96,10 @@ def test_a_child_that_dies_fails_its_requests_and_every_later_one(smoke_model):
         assert not engine.has_unfinished() and len(exits) == 1
     finally:
         engine.close()
+
+
+def test_a_child_that_cannot_load_raises_its_error_and_reports_no_fault(tmp_path):
+    exits: list[str] = []
+    with pytest.raises(RuntimeError, match=r"the engine process failed to load: \w+Error: .*missing"):
+        EngineProcess(EngineConfig(model_dir=str(tmp_path / "missing")), on_exit=exits.append)
+    assert exits == []  # a load's error, not a fault for the supervisor to restart on
