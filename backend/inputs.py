@@ -227,6 +227,18 @@ def _stream(get: Getter, parameters: dict | str | None) -> bool:
     return bool(tensor) if tensor is not None else bool(param)
 
 
+def request_parameters(request) -> str | None:
+    """The request's parameters as JSON (HTTP ``generate`` puts the body's non-input keys there)."""
+    get = getattr(request, "parameters", None)
+    return get() if get is not None else None
+
+
+def requested_outputs(request) -> frozenset[str] | None:
+    """The output names a request asked for; ``None`` (all of them) when it named none."""
+    names = request.requested_output_names()
+    return frozenset(names) if names else None
+
+
 def name_prompt_error(request: GenerateRequest, error: ValueError) -> str:
     """The engine names a prompt problem ``prompt: ...``; the client sent ``text_input`` or ``input_ids``."""
     msg = str(error)

@@ -12,7 +12,7 @@ from lightspec_backend.bls import StageUnavailable
 from lightspec_backend.client import input_array
 from lightspec_backend.control import ControlDir
 from lightspec_backend.metrics import MetricsReporter
-from lightspec_backend.orchestrator import Orchestrator
+from lightspec_backend.orchestrator import Orchestrator, take_turns
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from tests.fakes import FakePbUtils, FakeRequest
@@ -113,6 +113,37 @@ def test_prompt_too_long_is_invalid_arg_from_the_engine(served, engine):
     assert r.sender.wait_final(10)
     err = r.sender.final.error()
     assert err.code() == pb.TritonError.INVALID_ARG and err.message().startswith("input_ids: ")
+
+
+def test_take_turns_covers_every_request_within_its_share_of_polls():
+    items, turn, seen = list(range(10)), 0, []
+    for _ in range(4):
+        due, turn = take_turns(items, turn, 3)
+        assert len(due) == 3
+        seen += due
+    assert set(seen[:10]) == set(items) and seen[10:] == [0, 1]
+    assert take_turns(items[:2], 7, 3)[0] == [1, 0]  # fewer than n: each once
+    assert take_turns([], 5, 3) == ([], 0)
+
+
+def test_a_cancel_among_more_requests_than_the_poll_checks_is_found(engine):
+    """Two checks a poll for six requests in flight: the cancelled one, last in turn, is found."""
+    pb = FakePbUtils()
+    orch = Orchestrator(engine, pb, None, cancel_poll_s=0.01, cancel_checks_per_s=200)
+    assert orch.cancel_checks_per_poll == 2
+    reqs = [request(text_input=f"x{i} = ", max_tokens=400, stream=True, ignore_eos=True) for i in range(6)]
+    try:
+        for r in reqs:
+            orch.submit(r)
+        deadline = time.time() + 30
+        while not all(r.sender.sent for r in reqs) and time.time() < deadline:
+            time.sleep(0.005)
+        reqs[-1].sender.cancel()
+        assert reqs[-1].sender.wait_final(30)
+        assert reqs[-1].sender.final.as_dict()["finish_reason"][0] == b"cancelled"
+        assert not any(r.sender.final for r in reqs[:-1])  # the others still run
+    finally:
+        orch.shutdown(timeout_s=30)
 
 
 def test_cancel_frees_the_request_and_zeroes_gauges(served, engine):
