@@ -78,17 +78,6 @@ def _repository(args) -> Path:
     return write_model_repository(default_cache_dir() / "model_repository", overrides)
 
 
-def _backend_of(config_pbtxt: Path) -> str:
-    """The ``backend`` a config.pbtxt names, parsed with Triton's own protobuf schema."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    try:
-        return text_format.Parse(config_pbtxt.read_text(), model_config_pb2.ModelConfig()).backend
-    except text_format.ParseError as e:
-        raise ValueError(f"{config_pbtxt}: {e}") from None
-
-
 def validate_repository(repo: Path) -> list[str]:
     """Check every LightSpec model in ``repo`` as the backend does when Triton loads it: parameters,
     checkpoints, and the orchestrator's stage models. Raise ``ValueError`` naming the file, the
@@ -97,12 +86,13 @@ def validate_repository(repo: Path) -> list[str]:
     Every model's parameters are parsed before any checkpoint is looked at, so a bad value fails
     before anything heavier than the parser is imported."""
     from .params import Role, check_checkpoints, check_stage_configs, parse_backend_config, read_config_parameters
+    from .repository import backend_of
 
     if not repo.is_dir():
         raise ValueError(f"--model-repository {str(repo)!r}: not a directory")
     configs = {}
     for path in sorted(repo.glob("*/config.pbtxt")):
-        if _backend_of(path) == BACKEND_NAME:
+        if backend_of(path) == BACKEND_NAME:
             try:
                 configs[path] = parse_backend_config(read_config_parameters(path), base_dir=repo)
             except ValueError as e:

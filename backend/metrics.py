@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # engine statistic -> vLLM's name for the same quantity
 VLLM_NAMES = {
@@ -95,8 +95,8 @@ HISTOGRAM_BUCKETS = {
 }
 TOKEN_COUNT_HISTOGRAMS = ("request_prompt_tokens", "request_generation_tokens")  # buckets from the context length
 # Histograms observed once per request per step. Every observe() of Triton's Python backend is an
-# IPC to the server, and these two made ~130 of them a step at 64 requests: with metrics on the
-# server streamed a fifth fewer tokens (lightspec bench, stages: process, c=64). They are binned
+# IPC to the server, and these two are 64 of the 70 observations a step at 32 requests: with metrics
+# on, the server streamed a fifth fewer tokens (lightspec bench, stages: process, c=64). They are binned
 # here and exported as the series a histogram exposes, ``<name>_bucket{le}``, ``<name>_sum`` and
 # ``<name>_count``, as counters incremented once per publish (a few IPCs per bucket that changed,
 # whatever the load). PromQL reads them as it reads a histogram (histogram_quantile over the
@@ -150,7 +150,7 @@ class _Bins:
 
     counts: list[int]
     total: float = 0.0
-    dirty: bool = field(default=False)
+    dirty: bool = False
 
 
 def _le(bound: float) -> str:

@@ -228,16 +228,25 @@ def write_model_repository(dst: str | Path, overrides: dict[str, str] | None = N
     return dst
 
 
-def _written_by_lightspec(folder: Path) -> bool:
-    """Whether ``folder`` is a real directory whose config.pbtxt names the LightSpec backend (parsed
-    with Triton's own schema). A link, or a config that does not parse, is left to its owner."""
+def backend_of(config_pbtxt: Path) -> str:
+    """The ``backend`` a config.pbtxt names, parsed with Triton's own protobuf schema; a
+    ``ValueError`` naming the file when it does not parse."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
+    try:
+        return text_format.Parse(config_pbtxt.read_text(), model_config_pb2.ModelConfig()).backend
+    except text_format.ParseError as e:
+        raise ValueError(f"{config_pbtxt}: {e}") from None
+
+
+def _written_by_lightspec(folder: Path) -> bool:
+    """Whether ``folder`` is a real directory whose config.pbtxt names the LightSpec backend. A
+    link, or a config that does not parse, is left to its owner."""
     config = folder / "config.pbtxt"
     if folder.is_symlink() or not folder.is_dir() or not config.is_file():
         return False
     try:
-        return text_format.Parse(config.read_text(), model_config_pb2.ModelConfig()).backend == BACKEND
-    except text_format.ParseError:
+        return backend_of(config) == BACKEND
+    except ValueError:
         return False
