@@ -183,14 +183,12 @@ class EngineProcess:
         self._conn.close()
 
     # ---- the pipe ----------------------------------------------------------------------------
-    def _send(self, message: tuple) -> bool:
+    def _send(self, message: tuple) -> None:
         if self._dead is None:
             try:
                 self._conn.send(message)
-                return True
             except (OSError, ValueError):
                 self._died()
-        return False
 
     def _receive(self) -> list[RequestDelta]:
         """What the child sent since the last call, waiting for its next message if it sent none
