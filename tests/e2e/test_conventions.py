@@ -229,7 +229,9 @@ def test_rejected_request_counts_as_a_failure(server):
     before = sample(scrape(server), "lightspec:request_failure_total", model_name="lightspec")
     status, _ = http_post(server, "/v2/models/lightspec/generate", {"text_input": PROMPT, "max_tokens": 0})
     assert status == 400
-    after = sample(scrape(server), "lightspec:request_failure_total", model_name="lightspec")
+    # the 400 goes out before the metrics thread publishes the count: wait for it, then check it
+    count = lambda: sample(scrape(server), "lightspec:request_failure_total", model_name="lightspec")
+    after = wait_for(lambda: (c := count()) > before and c) or count()
     assert after == before + 1
 
 
