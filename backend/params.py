@@ -201,9 +201,22 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
         stage_timeout_s = -1.0
     if not 0 < stage_timeout_s < 1e6:
         raise _bad("stage_timeout_s", timeout, "expected a positive number of seconds")
+    stages = _stages(params)
+    if stages in STAGES_IN_ORCHESTRATOR and not params.get("decode_threads", "").strip():
+        engine = dataclasses.replace(engine, decode_threads=serving_decode_threads(engine.num_threads, available_cpus()))
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
                          orchestrator_model=front_target, stage_timeout_s=stage_timeout_s,
-                         stages=_stages(params))  # fmt: skip
+                         stages=stages)  # fmt: skip
+
+
+def serving_decode_threads(num_threads: int, cpus: int) -> int:
+    """An engine in the orchestrator's process or its child (``stages: local`` or ``process``)
+    decodes with one thread per CPU but one (``EngineConfig.decode_threads``), as vLLM's CPU backend
+    keeps a core for its front end: Triton's frontend, the stub's responses and a local client share
+    the cores, and in a decode-only step a second OpenMP worker gains the step less than it takes
+    from them (1.05-1.26x the tokens without speculation here, docs/benchmarks.md). Calls with
+    drafts or prompt chunks keep ``num_threads``: they are compute, and more threads pay."""
+    return max(1, (num_threads or cpus) - 1)
 
 
 def _stages(params: dict[str, str]) -> str:

@@ -155,6 +155,9 @@ class EngineConfig:
     request's deltas carry at least this many new tokens, except its first and its last (vLLM's
     ``--stream-interval``); 1 hands out every step's tokens at once. A server sends a response per
     delta, and at high concurrency each costs more than the tokens it carries (docs/benchmarks.md).
+    ``num_threads``: torch's intra-op threads (0: torch's default, one per CPU); ``decode_threads``:
+    those of a target or draft call in which every request feeds one token (0: as the others). A
+    server sets it to one per CPU but one (see ``lightspec_backend.params``).
     """
 
     model_dir: str | None = None
@@ -175,6 +178,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     num_threads: int = 0
+    decode_threads: int = 0
     profile_stages: bool = True
     confidence_stop: bool = False
     mtp: str = MTP_FUSED
@@ -194,6 +198,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise _bad(name, v, "must be a positive integer")
+        for name in ("num_threads", "decode_threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise _bad(name, v, "must be 0 (the default) or a positive integer")
         if self.pipeline_depth not in (1, 2):
             raise _bad("pipeline_depth", self.pipeline_depth, "must be 1 or 2")
         if not 0.0 < self.kv_high_water <= 1.0:

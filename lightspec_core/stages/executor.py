@@ -7,6 +7,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+import numpy as np
+import torch
+
 from ..spec.calibrate import ProfileSpec, profile_propose, profile_verify
 from ..spec.cost import ProposeCost, VerifyCost
 
@@ -54,24 +57,46 @@ def _settle(fut: Future, fn, *args) -> None:
         fut.set_result(result)
 
 
+def decodes_only(call) -> bool:
+    """Whether ``call`` is a target or draft call in which every request feeds one token (no
+    prompt chunk, no drafts to verify)."""
+    lens = getattr(call, "query_lens", None)
+    return lens is not None and len(lens) > 0 and int(np.max(lens)) == 1
+
+
 class LocalExecutor:
     """Runs stages in this process. With ``threaded=True`` each stage has one worker thread (like
     one Triton model instance), so a target call and an MTP/draft call can overlap; torch releases
-    the GIL inside its kernels."""
+    the GIL inside its kernels.
 
-    def __init__(self, runners: dict[str, object], threaded: bool = False):
+    ``decode_threads`` (0: unchanged): torch's intra-op threads for the calls in which every request
+    decodes one token (:func:`decodes_only`), the others keeping the count torch had when the
+    executor was made. Such a call has the least compute per token it streams: in a server, whose
+    responses take a share of the same cores, a second OpenMP worker there mostly takes CPU from
+    them (docs/benchmarks.md)."""
+
+    def __init__(self, runners: dict[str, object], threaded: bool = False, decode_threads: int = 0):
         self.runners = runners
         self.threaded = threaded
         self._profiles: dict[tuple[str, str], VerifyCost | ProposeCost] = {}  # (stage, spec JSON) -> profile
         self._pools = {name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in runners} if threaded else {}
+        self._threads = (decode_threads, torch.get_num_threads()) if decode_threads else None
 
     def submit(self, stage: str, call) -> Future:
         runner = self.runners[stage]
+        execute = runner.execute if self._threads is None else lambda c: self._execute_threads(runner, c)
         if self.threaded:
-            return submit_timed(self._pools[stage], runner.execute, call)
+            return submit_timed(self._pools[stage], execute, call)
         fut: Future = Future()
-        _settle(fut, runner.execute, call)  # a failure reaches the engine through the future, like a BLS error
+        _settle(fut, execute, call)  # a failure reaches the engine through the future, like a BLS error
         return fut
+
+    def _execute_threads(self, runner, call):
+        decode, other = self._threads
+        n = decode if decodes_only(call) else other
+        if torch.get_num_threads() != n:  # torch's setter is not free: skip it when nothing changes
+            torch.set_num_threads(n)
+        return runner.execute(call)
 
     def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
         if stage not in self.runners:

@@ -51,6 +51,7 @@ def test_empty_string_means_default():
         ({"metrics": "maybe"}, "metrics='maybe'"),
         ({"role": "router"}, "role='router'"),
         ({"num_kv_block": "64"}, "num_kv_block='64'"),  # typo: unknown parameter
+        ({"decode_threads": "-1"}, "decode_threads=-1"),
     ],
 )
 def test_bad_parameter_error_names_parameter_and_value(params, fragment):
@@ -213,3 +214,17 @@ def test_stages_is_triton_local_or_process_and_only_triton_calls_stage_models():
         assert cfg.stages == stages and cfg.stages_in_use() == []
     with pytest.raises(ValueError, match=r"parameter stages='bls': expected triton .*, local .* or process"):
         parse_backend_config({"stages": "bls"})
+
+
+def test_an_engine_in_the_orchestrator_decodes_with_a_core_left_to_serving(monkeypatch):
+    from lightspec_backend import params
+
+    monkeypatch.setattr(params, "available_cpus", lambda: 4)
+    for stages in ("local", "process"):
+        assert parse_backend_config({"stages": stages}).engine.decode_threads == 3
+        assert parse_backend_config({"stages": stages, "num_threads": "2"}).engine.decode_threads == 1
+        assert parse_backend_config({"stages": stages, "decode_threads": "4"}).engine.decode_threads == 4
+    monkeypatch.setattr(params, "available_cpus", lambda: 1)
+    assert parse_backend_config({"stages": "process"}).engine.decode_threads == 1
+    # stage models over BLS pick their threads per call themselves (stage_threads)
+    assert parse_backend_config({}).engine.decode_threads == 0

@@ -423,3 +423,68 @@ def test_local_stage_futures_carry_the_time_the_stage_answered(threaded):
         bad.result()
     assert bad.t_done <= time.perf_counter()
     ex.close()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_decode_only_calls_run_on_decode_threads_and_the_others_on_the_engine_threads(threaded):
+    import numpy as np
+    import torch
+
+    from lightspec_core.stages.contract import ModelCall
+    from lightspec_core.stages.executor import LocalExecutor
+
+    class Runner:
+        def execute(self, call):
+            return torch.get_num_threads()
+
+    def call(query_lens):
+        return ModelCall(input_ids=np.zeros(sum(query_lens), np.int64), positions=np.zeros(sum(query_lens), np.int64),
+                         query_lens=np.array(query_lens, np.int32), block_tables=np.zeros((len(query_lens), 1), np.int32),
+                         sample_indices=np.zeros(0, np.int64), return_logits=np.array([False]),
+                         return_hidden=np.array([False]))  # fmt: skip
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        ex = LocalExecutor({"target": Runner()}, threaded=threaded, decode_threads=1)
+        decode, verify, prefill = call([1, 1, 1]), call([1, 5, 1]), call([40])
+        got = [ex.submit("target", c).result() for c in (decode, verify, decode, prefill, decode)]
+        assert got == [1, 3, 1, 3, 1]
+        ex.close()
+        unchanged = LocalExecutor({"target": Runner()})
+        assert unchanged.submit("target", decode).result() == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_threads_reach_the_engine_steps_and_leave_outputs_unchanged(smoke_model):
+    import torch
+
+    from lightspec_core.stages.executor import decodes_only
+
+    with pytest.raises(ValueError, match=r"decode_threads=-2: must be 0 \(the default\) or a positive integer"):
+        EngineConfig(decode_threads=-2)
+    with pytest.raises(ValueError, match=r"num_threads=-1"):
+        EngineConfig(num_threads=-1)
+    before = torch.get_num_threads()
+    prompts, params = ["def f(x):", "class A:\n    def g(self):"], SamplingParams(max_tokens=12, ignore_eos=True)
+    try:
+        outs = {}
+        for decode_threads in (0, 1):
+            eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="none", num_threads=2,
+                                         decode_threads=decode_threads))  # fmt: skip
+            runner, seen = eng.executor.runners["target"], []
+            execute = runner.execute
+
+            def spy(call, execute=execute, seen=seen):
+                seen.append((decodes_only(call), torch.get_num_threads()))
+                return execute(call)
+
+            runner.execute = spy
+            outs[decode_threads] = [o.output_token_ids for o in eng.generate(prompts, params)]
+            eng.close()
+            assert {t for decoding, t in seen if not decoding} == {2}  # the prompts
+            assert {t for decoding, t in seen if decoding} == {decode_threads or 2}
+        assert outs[1] == outs[0]
+    finally:
+        torch.set_num_threads(before)
