@@ -214,8 +214,9 @@ def serving_decode_threads(num_threads: int, cpus: int) -> int:
     decodes with one thread per CPU but one (``EngineConfig.decode_threads``), as vLLM's CPU backend
     keeps a core for its front end: Triton's frontend, the stub's responses and a local client share
     the cores, and in a decode-only step a second OpenMP worker gains the step less than it takes
-    from them (1.05-1.26x the tokens without speculation here, docs/benchmarks.md). Calls with
-    drafts or prompt chunks keep ``num_threads``: they are compute, and more threads pay."""
+    from them (without speculation 1.04-1.15x the tokens at c=64 in six paired rounds here,
+    docs/benchmarks.md). Calls with drafts or prompt chunks keep ``num_threads``: they are
+    compute, and more threads pay."""
     return max(1, (num_threads or cpus) - 1)
 
 
