@@ -84,18 +84,18 @@ class LocalExecutor:
 
     def submit(self, stage: str, call) -> Future:
         runner = self.runners[stage]
-        execute = runner.execute if self._threads is None else lambda c: self._execute_threads(runner, c)
         if self.threaded:
-            return submit_timed(self._pools[stage], execute, call)
+            return submit_timed(self._pools[stage], self._execute, runner, call)
         fut: Future = Future()
-        _settle(fut, execute, call)  # a failure reaches the engine through the future, like a BLS error
+        _settle(fut, self._execute, runner, call)  # a failure reaches the engine through the future, like a BLS error
         return fut
 
-    def _execute_threads(self, runner, call):
-        decode, other = self._threads
-        n = decode if decodes_only(call) else other
-        if torch.get_num_threads() != n:  # torch's setter is not free: skip it when nothing changes
-            torch.set_num_threads(n)
+    def _execute(self, runner, call):
+        if self._threads is not None:
+            decode, other = self._threads
+            n = decode if decodes_only(call) else other
+            if torch.get_num_threads() != n:  # torch's setter is not free: skip it when nothing changes
+                torch.set_num_threads(n)
         return runner.execute(call)
 
     def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
