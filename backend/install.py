@@ -22,15 +22,10 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightspec_core.config import cache_dir as default_cache_dir
+
 BACKEND_NAME = "lightspec"
 PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def default_cache_dir() -> Path:
-    """``$LIGHTSPEC_CACHE``, else ``$XDG_CACHE_HOME/lightspec``, else ``~/.cache/lightspec``."""
-    if os.environ.get("LIGHTSPEC_CACHE"):
-        return Path(os.environ["LIGHTSPEC_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightspec"
 
 
 @dataclass

@@ -6,6 +6,7 @@ into an ``INVALID_ARG`` response (per-request fields) or a model-load failure (c
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -235,6 +236,14 @@ class EngineConfig:
     @property
     def speculative(self) -> bool:
         return self.method is not SpecMethod.NONE and self.policy_kind != "off" and self.max_draft_tokens > 0
+
+
+def cache_dir() -> Path:
+    """Where LightSpec keeps what it builds (backends, repositories, compiled kernels):
+    ``$LIGHTSPEC_CACHE``, else ``$XDG_CACHE_HOME/lightspec``, else ``~/.cache/lightspec``."""
+    if os.environ.get("LIGHTSPEC_CACHE"):
+        return Path(os.environ["LIGHTSPEC_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightspec"
 
 
 def default_model_dir() -> str:

@@ -23,10 +23,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_attention
 from .checkpoint import read_weights, resolve_dtype, write_checkpoint
 from .hf_config import LlamaConfig
-from .paged import AttnGroup, PagedBatch, attend_pool, attend_sdpa, bag_rows, reads_in_place, row_mask
+from .paged import (
+    ROW_GROUP_MAX_QUERY,
+    AttnGroup,
+    PagedBatch,
+    attend_pool,
+    attend_sdpa,
+    bag_rows,
+    reads_in_place,
+    row_mask,
+)
 from .rope import Rope
+
+NATIVE = "native"  # a step plan's entry for a group that cpu_attention's kernel serves
 
 
 class RMSNorm(nn.Module):
@@ -172,9 +184,12 @@ class LlamaModel(nn.Module):
         a0 = self.model.layers[0].self_attn
         hd, group = a0.hd, a0.n_heads // a0.n_kv
         block_size = kv.shape[-1] // hd
+        native = cpu_attention.usable(kv)
         # per step, not per layer: each group's pool rows and mask in the layout its attention reads
         plans = [
-            (bag_rows(g, group, block_size, hd), row_mask(g.mask, a0.n_kv, group, kv.dtype))
+            NATIVE
+            if native and g.max_query <= ROW_GROUP_MAX_QUERY
+            else (bag_rows(g, group, block_size, hd), row_mask(g.mask, a0.n_kv, group, kv.dtype))
             if reads_in_place(g, a0.n_heads, block_size, hd)
             else (None, g.mask)
             for g in batch.groups
@@ -193,11 +208,19 @@ class LlamaModel(nn.Module):
     def _attention(self, batch: PagedBatch, plans: list, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q [N, heads, hd] of the step's tokens, ``kv`` one layer's pool -> attention output [N, heads*hd]."""
         g = batch.groups[0]
-        if len(batch.groups) == 1 and g.num_requests * g.max_query == q.shape[0]:  # nothing padded, nothing to scatter
+        if len(batch.groups) == 1 and plans[0] is not NATIVE and g.num_requests * g.max_query == q.shape[0]:
+            # nothing padded, nothing to scatter
             qg = q.view(g.num_requests, g.max_query, *q.shape[1:])
             return self._attend_group(g, plans[0], qg, kv).view(q.shape[0], -1)
+        if NATIVE in plans:
+            q = q.contiguous()
         o = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for g, plan in zip(batch.groups, plans):
+            if plan is NATIVE:  # writes its requests' rows of o in place, from the packed rows
+                cpu_attention.attend(
+                    q, o.view(q.shape), kv[0], kv[1], g.tile_rows, g.starts, g.query_lens, batch.positions
+                )
+                continue
             qp = q.new_zeros(g.num_requests * g.max_query, *q.shape[1:])
             qp[g.query_index] = q[g.token_rows]
             og = self._attend_group(g, plan, qp.view(g.num_requests, g.max_query, *q.shape[1:]), kv)

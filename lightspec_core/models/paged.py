@@ -6,10 +6,11 @@ KV head is a contiguous tile, of values as ``[block_size, head_dim]`` and of key
 from the pool (:func:`attend_pool`): the scores of a query row against one key tile are a sum of the
 tile's ``head_dim`` rows weighted by the query's components, and its output a sum of value rows
 weighted by its probabilities, and ``embedding_bag`` computes such weighted sums of indexed rows in
-one pass, without copying any context out of the pool. Prompt chunks (many query rows over a
-context) gather their context tiles into buffers and take the fused SDPA kernel
-(:func:`attend_sdpa`), which keeps no score matrix of chunk x context in memory. A test holds the
-two equal. The indices of a step are built once per step (:meth:`PagedBatch.build`,
+one pass, without copying any context out of the pool; on a CPU in float32 a native kernel does
+the same work with each tile read once per request (cpu_attention.py). Prompt chunks (many query
+rows over a context) gather their context tiles into buffers and take the fused SDPA kernel
+(:func:`attend_sdpa`), which keeps no score matrix of chunk x context in memory. Tests hold the
+three equal. The indices of a step are built once per step (:meth:`PagedBatch.build`,
 :func:`bag_rows`) and shared by all layers.
 """
 
@@ -34,6 +35,8 @@ class AttnGroup:
     token_rows: torch.Tensor  # int64 [Ng]  rows of the packed batch (the step's new tokens) in this group
     query_index: torch.Tensor  # int64 [Ng]  where each of them sits in the padded [Bg*Q] query grid
     tile_rows: torch.Tensor  # int64 [Bg*kv_heads*blocks]  pool tiles (block x kv_heads + head) in context order
+    starts: torch.Tensor  # int64 [Bg]  each request's first row in the packed batch
+    query_lens: torch.Tensor  # int64 [Bg]  its new tokens (rows)
     mask: torch.Tensor  # float [Bg, 1, Q, P]  0 where a query may attend to a key, -inf elsewhere
     num_requests: int
     max_query: int
@@ -83,7 +86,15 @@ def _attn_group(
     visible[:, :, 0] |= q_pos < 0
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(1)
     return AttnGroup(
-        token_rows.to(dev), query_index.to(dev), tiles.reshape(-1).to(dev), mask.to(dev), len(rows), max_q, max_c
+        token_rows.to(dev),
+        query_index.to(dev),
+        tiles.reshape(-1).to(dev),
+        starts[rows].to(dev),
+        glens.to(dev),
+        mask.to(dev),
+        len(rows),
+        max_q,
+        max_c,
     )
 
 

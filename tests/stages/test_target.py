@@ -37,9 +37,18 @@ def _hf_logits(hf, ids: list[int]) -> np.ndarray:
         return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
+@pytest.mark.parametrize("attention", ["native", "torch"])
 @pytest.mark.parametrize("which", ["default", "smoke"])
-def test_runner_matches_transformers_on_mixed_batch_and_after_rollback(which, request):
+def test_runner_matches_transformers_on_mixed_batch_and_after_rollback(which, attention, request, monkeypatch):
+    """Both attention paths of decode and verify rows (models/cpu_attention.py's kernel where it is
+    built, the torch reference) against transformers."""
     from transformers import LlamaForCausalLM
+
+    from lightspec_core.models import cpu_attention
+
+    monkeypatch.setenv(cpu_attention.ENV_SWITCH, "on" if attention == "native" else "off")
+    if attention == "native" and cpu_attention.kernel() is None:
+        pytest.skip("no C compiler on this machine: the native kernel is not built")
 
     root = request.getfixturevalue(f"{which}_model")
     target = root / "target"
@@ -502,8 +511,9 @@ def test_gather_buffers_are_reused_and_a_smaller_step_after_a_larger_one_is_exac
 def test_decoding_over_the_index_budget_gathers_its_context_and_computes_the_same(smoke_model, monkeypatch):
     """Past ``POOL_INDEX_BUDGET`` a decoding group gathers its context for the fused kernel instead of
     reading the pool in place: the logits agree, and the gather buffers show which way it went."""
-    from lightspec_core.models import paged
+    from lightspec_core.models import cpu_attention, paged
 
+    monkeypatch.setenv(cpu_attention.ENV_SWITCH, "off")  # the budget is the torch path's
     rng = np.random.default_rng(4)
     runners = [ModelRunner(smoke_model / "target", num_blocks=16, block_size=4) for _ in range(2)]
     vocab = runners[0].config.vocab_size

@@ -1,0 +1,167 @@
+/* Attention of decode and verify rows straight from the paged KV pool, for float32 on a CPU.
+ *
+ * The reference is models/paged.py's attend_pool (and transformers' eager attention); this is the
+ * same arithmetic with the loops a CPU wants. One task is one request: its query heads and rows
+ * share every key and value tile, so each tile is read from memory once (the reference reads each
+ * key once per query row and head), and a block's tiles are fetched ahead of their use.
+ *
+ * Pool layout (models/paged.py): a tile is one block of one KV head, keys transposed as
+ * [head_dim][block_size], values as [block_size][head_dim]; ``tiles`` lists a request's tile
+ * indices per KV head in context order: tiles[(r * kv_heads + h) * tiles_per_req + b].
+ *
+ * For query row t of request r (packed row starts[r] + t, position positions[row]) and query head
+ * h * G + g: keys 0..position are visible; scores are q.k * scale, the softmax is taken over the
+ * visible keys only (no -inf masking, so fast-math's finite-math assumption holds), and the output
+ * is sum_j e_j v_j / sum_j e_j.
+ *
+ * Built with -O3 -march=native -ffast-math -fopenmp by cpu_attention.py; the OpenMP runtime is the
+ * one torch already loaded (same soname), so these loops share torch's thread pool and its
+ * torch.set_num_threads setting instead of adding a second pool that spins against it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Issues prefetches for ``bytes`` starting at ``p``: a request's next block while this one is used.
+ * Its tiles are scattered over the pool (block tables), so without them every tile starts with
+ * misses the hardware prefetcher does not see coming. */
+static inline void prefetch(const float *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
+}
+
+/* One task: request ``r`` (its rows start..start+qlen-1) with every KV head. The heads of a block
+ * are one contiguous stretch of the pool (see models/paged.py), read block by block. ``hd`` and
+ * ``bs`` are compile-time constants at the common sizes (attend_sized), so the loops over a tile's
+ * keys and a head's dimensions vectorise to whole registers.
+ * Query i of KV head h is row t = i / group, query head h * group + i % group. */
+static inline __attribute__((always_inline)) void attend_task(
+    const float *restrict q, float *restrict out, int64_t row_stride, const float *restrict key_pool,
+    const float *restrict value_pool, const int64_t *restrict tiles, int64_t tiles_per_head, int64_t start,
+    int64_t qlen, const int64_t *restrict positions, int kv_heads, int group, const int hd, const int bs,
+    float scale, float *restrict scores, float *restrict acc, float *restrict qbuf) {
+    const int64_t nq = qlen * group; /* queries per KV head */
+    const int64_t tile = (int64_t)hd * bs;
+    const int64_t ctx = positions[start + qlen - 1] + 1; /* the last row sees the most keys */
+    const int64_t nb = (ctx + bs - 1) / bs;
+    const int64_t span = nb * bs; /* one query's scores */
+
+    for (int h = 0; h < kv_heads; h++)
+        for (int64_t i = 0; i < nq; i++) {
+            const float *restrict src = q + (start + i / group) * row_stride + ((int64_t)h * group + i % group) * hd;
+            for (int d = 0; d < hd; d++) qbuf[(h * nq + i) * hd + d] = src[d];
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        if (b + 1 < nb)
+            for (int h = 0; h < kv_heads; h++) prefetch(key_pool + tiles[h * tiles_per_head + b + 1] * tile, tile * 4);
+        for (int h = 0; h < kv_heads; h++) {
+            const float *restrict kt = key_pool + tiles[h * tiles_per_head + b] * tile;
+            for (int64_t i = 0; i < nq; i++) {
+                const float *restrict qi = qbuf + (h * nq + i) * hd;
+                float *restrict s = scores + (h * nq + i) * span + b * bs;
+#pragma omp simd
+                for (int j = 0; j < bs; j++) s[j] = 0.f;
+                for (int d = 0; d < hd; d++) {
+                    const float qd = qi[d];
+                    const float *restrict kd = kt + (int64_t)d * bs;
+#pragma omp simd
+                    for (int j = 0; j < bs; j++) s[j] += qd * kd[j];
+                }
+            }
+        }
+    }
+    for (int h = 0; h < kv_heads; h++) prefetch(value_pool + tiles[h * tiles_per_head] * tile, tile * 4);
+    /* softmax numerators in place over each query's visible keys; the sums stay for the end */
+    for (int64_t hi = 0; hi < kv_heads * nq; hi++) {
+        const int64_t n = positions[start + (hi % nq) / group] + 1;
+        float *restrict s = scores + hi * span;
+        float m = s[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = expf((s[j] - m) * scale);
+            sum += s[j];
+        }
+        qbuf[hi * hd] = sum; /* the query itself is no longer needed */
+    }
+    for (int64_t i = 0; i < kv_heads * nq * hd; i++) acc[i] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        if (b + 1 < nb)
+            for (int h = 0; h < kv_heads; h++) prefetch(value_pool + tiles[h * tiles_per_head + b + 1] * tile, tile * 4);
+        for (int h = 0; h < kv_heads; h++) {
+            const float *restrict vt = value_pool + tiles[h * tiles_per_head + b] * tile;
+            for (int64_t i = 0; i < nq; i++) {
+                const int64_t left = positions[start + i / group] + 1 - b * bs;
+                const int64_t jmax = left < bs ? left : bs;
+                const float *restrict p = scores + (h * nq + i) * span + b * bs;
+                float *restrict o = acc + (h * nq + i) * hd;
+                for (int64_t j = 0; j < jmax; j++) {
+                    const float w = p[j];
+                    const float *restrict v = vt + j * hd;
+#pragma omp simd
+                    for (int d = 0; d < hd; d++) o[d] += w * v[d];
+                }
+            }
+        }
+    }
+    for (int h = 0; h < kv_heads; h++)
+        for (int64_t i = 0; i < nq; i++) {
+            float *restrict dst = out + (start + i / group) * row_stride + ((int64_t)h * group + i % group) * hd;
+            const float inv = 1.f / qbuf[(h * nq + i) * hd];
+            const float *restrict a = acc + (h * nq + i) * hd;
+#pragma omp simd
+            for (int d = 0; d < hd; d++) dst[d] = a[d] * inv;
+        }
+}
+
+#define SIZED(HD, BS)                                                                                  \
+    if (hd == HD && bs == BS) {                                                                        \
+        attend_task(q, out, row_stride, key_pool, value_pool, tiles, tiles_per_head, start, qlen,       \
+                    positions, kv_heads, group, HD, BS, scale, scores, acc, qbuf);                     \
+        return;                                                                                        \
+    }
+
+/* attend_task with hd and bs as constants where they are common sizes, else as variables */
+static void attend_sized(const float *q, float *out, int64_t row_stride, const float *key_pool,
+                         const float *value_pool, const int64_t *tiles, int64_t tiles_per_head, int64_t start,
+                         int64_t qlen, const int64_t *positions, int kv_heads, int group, int hd, int bs,
+                         float scale, float *scores, float *acc, float *qbuf) {
+    SIZED(32, 16) SIZED(64, 16) SIZED(128, 16) SIZED(32, 32) SIZED(64, 32) SIZED(128, 32)
+    attend_task(q, out, row_stride, key_pool, value_pool, tiles, tiles_per_head, start, qlen, positions,
+                kv_heads, group, hd, bs, scale, scores, acc, qbuf);
+}
+
+/* q, out: [rows, heads * hd] with rows ``row_stride`` floats apart; key_pool, value_pool: one
+ * layer's tiles; tiles: [n_req, kv_heads, tiles_per_head]; starts, qlens: [n_req]; positions:
+ * [rows]. Returns 0, or -1 when scratch memory was not had. */
+int lightspec_paged_attention(const float *q, float *out, int64_t row_stride, const float *key_pool,
+                              const float *value_pool, const int64_t *tiles, int64_t tiles_per_head,
+                              const int64_t *starts, const int64_t *qlens, int64_t n_req,
+                              const int64_t *positions, int heads, int kv_heads, int hd, int bs,
+                              float scale) {
+    const int group = heads / kv_heads;
+    int64_t max_q = 0;
+    for (int64_t r = 0; r < n_req; r++) max_q = qlens[r] > max_q ? qlens[r] : max_q;
+    const int64_t queries = max_q * heads; /* a task's, at most */
+    const int64_t scores_len = queries * tiles_per_head * bs;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * (scores_len + 2 * queries * (int64_t)hd));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t r = 0; r < n_req; r++) {
+            if (!scratch) continue;
+            float *acc = scratch + scores_len, *qbuf = acc + queries * hd;
+            attend_sized(q, out, row_stride, key_pool, value_pool, tiles + r * kv_heads * tiles_per_head,
+                         tiles_per_head, starts[r], qlens[r], positions, kv_heads, group, hd, bs, scale,
+                         scratch, acc, qbuf);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
