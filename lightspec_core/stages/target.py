@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..models.llama import LlamaModel
+from ..models.mtp_heads import single_thread_blas
 from ..models.paged import PagedBatch
 from .contract import ModelCall, ModelResult, MTPCall
 from .mtp import MTPRunner
@@ -50,7 +52,9 @@ class ModelRunner:
             self.config.num_key_value_heads,
             self.config.head_dim,
         )
-        with torch.inference_mode():
+        # one row: the model's products are numpy's (llama.linear), on this thread only
+        one_row = single_thread_blas() if len(batch.input_ids) == 1 else contextlib.nullcontext()
+        with torch.inference_mode(), one_row:
             hidden = self.model.forward_paged(batch, self.kv)
             logits = self.model.logits(hidden)
         h = self.config.hidden_size

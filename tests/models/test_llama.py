@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightspec_core.models.llama import LlamaConfig, LlamaModel
+from lightspec_core.models.llama import LlamaConfig, LlamaModel, linear
 from lightspec_core.models.paged import PagedBatch
 from lightspec_core.models.rope import RopeScaling
 from lightspec_core.stages.contract import ModelCall
@@ -32,8 +32,9 @@ def _step(runner: ModelRunner, reqs: list[tuple[list[int], int]], tables: list[l
 
 def max_diff_against_transformers(model_dir: Path) -> float:
     """Two prefills of different lengths and a decode packed in one step, then a verification of
-    four drafts rolled back to one and the positions after it re-fed: the largest difference between
-    the runner's logits and transformers' full-sequence logits at the same positions."""
+    four drafts rolled back to one and the positions after it re-fed, then a lone decode row: the
+    largest difference between the runner's logits and transformers' full-sequence logits at the
+    same positions."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -54,6 +55,9 @@ def max_diff_against_transformers(model_dir: Path) -> float:
     _step(runner, [(junk, 44)], [tables[0]])
     got = _step(runner, [(fresh, 45)], [tables[0]])  # junk[0] kept; 45.. rewritten, stale slots never read
     diffs.append(np.abs(got - reference(a + junk[:1] + fresh)[45:]).max())
+    nxt = rng.integers(3, 256, 1).tolist()
+    got = _step(runner, [(nxt, 9)], [tables[1]])  # a lone row: numpy's products (llama.linear)
+    diffs.append(np.abs(got - reference(b + nxt)[9:]).max())
     return float(max(diffs))
 
 
@@ -119,8 +123,15 @@ def test_bfloat16_runner_is_as_close_to_transformers_bfloat16_as_transformers_is
     assert (ours.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
-TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 
 
 @pytest.mark.parametrize(
@@ -181,3 +192,17 @@ def test_a_tied_config_with_its_own_lm_head_in_the_checkpoint_keeps_it_as_transf
     save_file(state, model_dir / "model.safetensors", metadata={"format": "pt"})
     assert not LlamaModel.load(model_dir).config.tie_word_embeddings
     assert max_diff_against_transformers(model_dir) < 1e-4
+
+
+def test_one_row_products_equal_torchs_and_autograd_keeps_torchs():
+    """``linear`` takes numpy's matrix-vector product for one row outside autograd: the same result
+    as ``F.linear`` (bias included) within float32 rounding; with gradients on it stays torch's."""
+    gen = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen), torch.randn(1, 40, generator=gen)
+    want = torch.nn.functional.linear(x, w, b)
+    with torch.inference_mode():
+        got = linear(x, w, b)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.shape == (1, 96) and got.dtype == torch.float32
+    w.requires_grad_(True)
+    assert linear(x, w, b).grad_fn is not None
