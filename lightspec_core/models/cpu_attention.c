@@ -7,7 +7,7 @@
  *
  * Pool layout (models/paged.py): a tile is one block of one KV head, keys transposed as
  * [head_dim][block_size], values as [block_size][head_dim]; ``tiles`` lists a request's tile
- * indices per KV head in context order: tiles[(r * kv_heads + h) * tiles_per_req + b].
+ * indices per KV head in context order: tiles[(r * kv_heads + h) * tiles_per_head + b].
  *
  * For query row t of request r (packed row starts[r] + t, position positions[row]) and query head
  * h * G + g: keys 0..position are visible; scores are q.k * scale, the softmax is taken over the

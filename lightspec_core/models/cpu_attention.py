@@ -2,15 +2,16 @@
 
 :func:`paged.attend_pool` is the reference: it reads every key once per query head and query row
 through ``embedding_bag``, and its expanded index and weight tensors are copies per layer. The
-kernel computes the same attention task by task (one request and KV head: its query heads and rows
-share each tile while it is in L1), so a float32 decode or verify step on a CPU spends its
-attention time on arithmetic (docs/benchmarks.md has the step times). A test holds the two equal.
+kernel computes the same attention one request at a time: its query heads and rows share each
+block's tiles while they are in cache, and the next block's tiles are prefetched, since block
+tables scatter them over the pool (docs/benchmarks.md has the step times). Tests hold the two equal.
 
 The C source ships with the package and is compiled on first use with the machine's C compiler
 (``$CC``, else ``cc``) into the cache directory (``$LIGHTSPEC_CACHE``, else
 ``~/.cache/lightspec``), keyed by the source, the flags and the CPU, so a rebuilt machine or an
-edited source never loads a stale build. Where no compiler or no writable cache exists, or with
-``LIGHTSPEC_CPU_ATTENTION=off``, :func:`kernel` returns None and the model keeps the reference.
+edited source never loads a stale build. Where no compiler or no writable cache exists
+(:func:`kernel` is None), or with ``LIGHTSPEC_CPU_ATTENTION=off``, :func:`usable` is False and the
+model keeps the reference.
 """
 
 from __future__ import annotations

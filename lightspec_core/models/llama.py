@@ -47,9 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     here (the default model's LM head: 106 against 57 us on one thread), and a lone request pays
     every layer's products at every step. The caller keeps numpy's BLAS on one thread
     (``mtp_heads.single_thread_blas``)."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x, weight, bias)
-    if torch.is_grad_enabled():
+    if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     y = weight.detach().numpy() @ x.numpy()[0]
     if bias is not None:
@@ -197,19 +195,11 @@ class LlamaModel(nn.Module):
         a rolled-back (rejected) position is simply overwritten by a later step, and keys beyond a
         query's own position are masked, so stale slots are never read.
         """
-        a0 = self.model.layers[0].self_attn
-        hd, group = a0.hd, a0.n_heads // a0.n_kv
+        hd = self.model.layers[0].self_attn.hd
         block_size = kv.shape[-1] // hd
         native = cpu_attention.usable(kv)
-        # per step, not per layer: each group's pool rows and mask in the layout its attention reads
-        plans = [
-            NATIVE
-            if native and g.max_query <= ROW_GROUP_MAX_QUERY
-            else (bag_rows(g, group, block_size, hd), row_mask(g.mask, a0.n_kv, group, kv.dtype))
-            if reads_in_place(g, a0.n_heads, block_size, hd)
-            else (None, g.mask)
-            for g in batch.groups
-        ]
+        # per step, not per layer: how each group attends
+        plans = [self._plan(g, native, block_size, kv.dtype) for g in batch.groups]
         x = self.model.embed_tokens(batch.input_ids)  # [N, H]
         cos, sin = self.rope.tables(batch.positions)
         for li, layer in enumerate(self.model.layers):
@@ -220,6 +210,17 @@ class LlamaModel(nn.Module):
             x = x + linear(self._attention(batch, plans, q, kv[li]), a.o_proj.weight, a.o_proj.bias)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x[batch.sample_indices])
+
+    def _plan(self, g: AttnGroup, native: bool, block_size: int, dtype: torch.dtype):
+        """How a group attends: ``NATIVE`` (cpu_attention's kernel), else its pool rows and mask in
+        the layout :func:`attend_pool` reads, or ``(None, mask)`` to gather its context for SDPA."""
+        a0 = self.model.layers[0].self_attn
+        if g.max_query <= ROW_GROUP_MAX_QUERY and native:
+            return NATIVE
+        if reads_in_place(g, a0.n_heads, block_size, a0.hd):
+            group = a0.n_heads // a0.n_kv
+            return bag_rows(g, group, block_size, a0.hd), row_mask(g.mask, a0.n_kv, group, dtype)
+        return None, g.mask
 
     def _attention(self, batch: PagedBatch, plans: list, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q [N, heads, hd] of the step's tokens, ``kv`` one layer's pool -> attention output [N, heads*hd]."""
