@@ -14,8 +14,8 @@
  * visible keys only (no -inf masking, so fast-math's finite-math assumption holds), and the output
  * is sum_j e_j v_j / sum_j e_j.
  *
- * Built with -O3 -march=native -ffast-math -fopenmp by cpu_attention.py; the OpenMP runtime is the
- * one torch already loaded (same soname), so these loops share torch's thread pool and its
+ * Built with -O3 -march=native -ffast-math -fopenmp by native.py; the OpenMP runtime is the one
+ * torch already loaded (same soname), so these loops share torch's thread pool and its
  * torch.set_num_threads setting instead of adding a second pool that spins against it.
  */
 #include <math.h>

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_attention
+from . import cpu_attention, cpu_linear
 from .checkpoint import read_weights, resolve_dtype, write_checkpoint
 from .hf_config import LlamaConfig
 from .paged import (
@@ -42,11 +42,12 @@ NATIVE = "native"  # a step plan's entry for a group that cpu_attention's kernel
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except for one row of float32 on a CPU outside autograd: numpy's matrix-vector
-    product over the same memory. torch's one-row product runs at about half the speed of numpy's
-    here (the default model's LM head: 106 against 57 us on one thread), and a lone request pays
-    every layer's products at every step. The caller keeps numpy's BLAS on one thread
-    (``mtp_heads.single_thread_blas``)."""
+    """``F.linear``, except for a few rows of float32 on a CPU outside autograd: cpu_linear's kernel
+    (a step's cost at a few rows is reading the weights, which it does at about twice torch's
+    speed), or where that kernel is not had, numpy's matrix-vector product for one row (about twice
+    torch's speed too; the caller keeps numpy's BLAS on one thread: ``mtp_heads.single_thread_blas``)."""
+    if cpu_linear.usable(x, weight):
+        return cpu_linear.linear(x, weight, bias)
     if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     y = weight.detach().numpy() @ x.numpy()[0]

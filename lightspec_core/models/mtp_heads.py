@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from threadpoolctl import ThreadpoolController
 from torch import nn
 
-from .llama import MLP, RMSNorm, init_weights
+from . import cpu_linear
+from .llama import MLP, RMSNorm, init_weights, linear
 
 
 @dataclass
@@ -105,10 +106,11 @@ class FoldedMTPHead:
       the (draft-vocabulary) LM head.
 
     A single row (a lone request, the common case at low load) has :meth:`one_row`, the same
-    arithmetic in numpy over the same memory: for one row a numpy matrix-vector product and
-    elementwise op cost about half what torch's dispatch does, and a server's lone request pays its
-    heads every step. More rows stay in torch: row by row in numpy did not pay in the server
-    (docs/benchmarks.md).
+    arithmetic in numpy over the same memory: for one row numpy's elementwise ops cost about half
+    what torch's dispatch does, and a server's lone request pays its heads every step. More rows
+    stay in torch: row by row in numpy did not pay in the server (docs/benchmarks.md). Both paths
+    take their products from :func:`llama.linear`'s kernel (cpu_linear.c) where it is had, so a
+    row's drafts are the same on either.
     """
 
     def __init__(self, head: MTPHead, embed: torch.Tensor, lm_weight: torch.Tensor):
@@ -130,22 +132,23 @@ class FoldedMTPHead:
     def __call__(self, state: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """state [B, H], tok [B] -> (next state [B, H], logits over the LM head's rows [B, V_draft])."""
         shape = (self.h,)
-        x = F.linear(F.rms_norm(state, shape, eps=self.eps), self.w_state) + self.tok_table.index_select(0, tok)
-        gate, up = F.linear(F.rms_norm(x, shape, eps=self.eps), self.w_gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, self.w_down)
-        return x, F.linear(F.rms_norm(x, shape, eps=self.eps), self.w_lm)
+        x = linear(F.rms_norm(state, shape, eps=self.eps), self.w_state) + self.tok_table.index_select(0, tok)
+        gate, up = linear(F.rms_norm(x, shape, eps=self.eps), self.w_gate_up).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, self.w_down)
+        return x, linear(F.rms_norm(x, shape, eps=self.eps), self.w_lm)
 
     def one_row(self, state: np.ndarray, tok: int) -> tuple[np.ndarray, np.ndarray]:
         """``__call__`` for one row in numpy: state fp32 [H], token id -> (next state [H], logits
         [V_draft]). SiLU as ``g * (1 + tanh(g / 2)) / 2``, the same function without ``exp``'s
         overflow."""
         w_state, tok_table, w_gate_up, w_down, w_lm = self._np
-        x = w_state @ self._normed(state) + tok_table[tok]
-        gate_up = w_gate_up @ self._normed(x)
+        mv = cpu_linear.matvec
+        x = mv(w_state, self._normed(state)) + tok_table[tok]
+        gate_up = mv(w_gate_up, self._normed(x))
         half = gate_up.shape[0] // 2
         gate, up = gate_up[:half], gate_up[half:]  # slices: np.split costs 12 us a call here
-        x = x + w_down @ (gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up)
-        return x, w_lm @ self._normed(x)
+        x = x + mv(w_down, gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up)
+        return x, mv(w_lm, self._normed(x))
 
     def _normed(self, x: np.ndarray) -> np.ndarray:
         return x * np.float32(1.0 / math.sqrt(float(x @ x) / self.h + self.eps))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightspec_core.models import cpu_attention
+from lightspec_core.models import cpu_attention, cpu_linear, native
 from lightspec_core.models.paged import PagedBatch, attend_pool, bag_rows, row_mask
 
 needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C compiler on this machine")
@@ -79,14 +79,16 @@ def test_a_query_sees_only_keys_up_to_its_own_position():
     )
 
 
-def test_build_is_cached_per_source_and_a_failing_compiler_is_an_error_naming_it(tmp_path):
-    first = cpu_attention.build(out_dir=tmp_path)
+@pytest.mark.parametrize("source", [cpu_attention.SOURCE, cpu_linear.SOURCE], ids=lambda p: p.stem)
+def test_build_is_cached_per_source_and_a_failing_compiler_is_an_error_naming_it(source, tmp_path):
+    first = native.build(source, out_dir=tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert cpu_attention.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert native.build(source, out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert first.name.startswith(source.stem + "-")
     with pytest.raises(RuntimeError, match="false"):
-        cpu_attention.build(compiler="false", out_dir=tmp_path / "other")
+        native.build(source, compiler="false", out_dir=tmp_path / "other")
     with pytest.raises(RuntimeError, match="no C compiler 'no-such-cc'"):
-        cpu_attention.build(compiler="no-such-cc", out_dir=tmp_path / "other")
+        native.build(source, compiler="no-such-cc", out_dir=tmp_path / "other")
     assert list((tmp_path / "other").iterdir()) == []  # no half-built file left behind
 
 
@@ -97,7 +99,7 @@ def test_without_a_kernel_or_when_switched_off_the_model_keeps_the_torch_path(mo
     monkeypatch.delenv(cpu_attention.ENV_SWITCH)
     assert not cpu_attention.usable(kv.double())  # float32 only
     cpu_attention.kernel.cache_clear()
-    monkeypatch.setattr(cpu_attention, "build", lambda: (_ for _ in ()).throw(RuntimeError("no cc")))
+    monkeypatch.setattr(native, "build", lambda source: (_ for _ in ()).throw(RuntimeError("no cc")))
     try:
         assert cpu_attention.kernel() is None and not cpu_attention.usable(kv)
     finally:

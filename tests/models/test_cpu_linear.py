@@ -1,0 +1,92 @@
+"""The native kernel for linear layers of a few rows (cpu_linear.c) against torch's products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightspec_core.models import cpu_linear, native
+from lightspec_core.models.llama import linear
+
+needs_kernel = pytest.mark.skipif(cpu_linear.kernel() is None, reason="no C compiler on this machine")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("n, k, bias", [(96, 40, True), (4096, 256, False), (7, 704, True), (33, 3, False)])
+def test_equals_torchs_product(rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    with torch.inference_mode():
+        assert cpu_linear.usable(x, w)
+        got = cpu_linear.linear(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=2e-5 * k**0.5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_rows_result_is_the_same_bits_alone_with_other_rows_and_on_any_thread_count():
+    """What lets a verification's rows agree to the bit with the decode step of the same token."""
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(9, 256, generator=gen), torch.randn(1408, 256, generator=gen), torch.randn(1408, generator=gen)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        together = cpu_linear.linear(x, w, b)
+        try:
+            torch.set_num_threads(1)
+            alone = torch.cat([cpu_linear.linear(x[i : i + 1], w, b) for i in range(len(x))])
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+
+
+@needs_kernel
+def test_inputs_that_are_views_are_read_as_their_values_and_mismatched_shapes_are_refused():
+    gen = torch.Generator().manual_seed(2)
+    base, w = torch.randn(6, 64, generator=gen), torch.randn(32, 48, generator=gen)
+    x = base[::2, 8:56]  # neither rows nor columns contiguous
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_linear.linear(x, w), x @ w.T, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(cpu_linear.linear(x, w.T.contiguous().T), x @ w.T, atol=1e-4, rtol=1e-5)
+        with pytest.raises(ValueError, match=r"x \(3, 48\), weight \(32, 40\)"):
+            cpu_linear.linear(x, w[:, :40])
+        with pytest.raises(ValueError, match="bias"):
+            cpu_linear.linear(x, w, torch.zeros(31))
+
+
+def test_more_rows_autograd_other_dtypes_or_the_switch_keep_torchs_products(monkeypatch):
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with torch.inference_mode():
+        assert not cpu_linear.usable(torch.randn(cpu_linear.MAX_ROWS + 1, 8), w)
+        assert not cpu_linear.usable(x.double(), w.double())
+        monkeypatch.setenv(cpu_linear.ENV_SWITCH, "off")
+        assert not cpu_linear.usable(x, w)
+    monkeypatch.delenv(cpu_linear.ENV_SWITCH)
+    assert not cpu_linear.usable(x, w)  # gradients on
+    cpu_linear.kernel.cache_clear()
+    monkeypatch.setattr(native, "build", lambda source: (_ for _ in ()).throw(RuntimeError("no cc")))
+    try:
+        with torch.inference_mode():
+            assert cpu_linear.kernel() is None and not cpu_linear.usable(x, w)
+    finally:
+        cpu_linear.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("path", ["native", "numpy"])
+@pytest.mark.parametrize("rows", [1, 5, cpu_linear.MAX_ROWS + 1])
+def test_the_models_linear_equals_torchs_on_every_path_and_autograd_keeps_torchs(path, rows, monkeypatch):
+    """llama.linear: the kernel up to MAX_ROWS rows; without it numpy's matrix-vector product for
+    one row; torch's product otherwise, and always with gradients on."""
+    if path == "native" and cpu_linear.kernel() is None:
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "on" if path == "native" else "off")
+    gen = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen), torch.randn(rows, 40, generator=gen)
+    want = torch.nn.functional.linear(x, w, b)
+    with torch.inference_mode():
+        got = linear(x, w, b)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    w.requires_grad_(True)
+    assert linear(x, w, b).grad_fn is not None
