@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = ["train_default", "bench_engine", "bench_runner", "bench_scheduler", "compare_hf", "compare_heads",
+TOOLS = ["train_default", "bench_engine", "bench_runner", "bench_linear", "bench_scheduler", "compare_hf", "compare_heads",
          "peer_vllm_inprocess"]
 
 
