@@ -1,14 +1,15 @@
-"""A step's matrix products at a few rows: the native kernel (models/cpu_linear.c), numpy, torch.
+"""A step's matrix products: the native kernel (models/cpu_linear.c), numpy, torch.
 
-python tools/bench_linear.py [--model-dir DIR] [--rows 1 2 5 8 16 32 64] [--threads N]
+python tools/bench_linear.py [--model-dir DIR] [--rows 1 5 16 64 320] [--threads N]
 
 One "step" multiplies ``rows`` activation rows by every weight matrix of the model as the runner
 holds them (fused q/k/v and gate/up, o, down, LM head), each matrix once. The model's weights are
 copied until the set outgrows the last-level cache (``--working-set``), and the steps go round the
 copies, so each step reads its weights from memory as a served model does (other work runs between
-its steps). Prints the median step time of each path and torch's time over the kernel's: the
-kernel takes the rows up to ``cpu_linear.MAX_ROWS``. numpy runs at one row only, on one thread
-(its matrix-vector product is the fallback there, kept to one thread by the runner).
+its steps). Prints the median step time of each path and torch's time over the kernel's (whose
+weights are packed before the timing, as a model's are at its first step). numpy runs at one row
+only, on one thread (its matrix-vector product is the fallback there, kept to one thread by the
+runner).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def measure(model_dir: str, rows_list, repeats=9, working_set_mb=96) -> dict:
     weights = step_weights(model)
     size = sum(w.numel() * w.element_size() for w in weights)
     sets = [weights] + [[w.clone() for w in weights] for _ in range(max(0, -(-working_set_mb * 2**20 // size) - 1))]
+    if cpu_linear.kernel() is not None:
+        for w in (w for ws in sets for w in ws):
+            cpu_linear.packed(w)
     gen = torch.Generator().manual_seed(0)
     res = {}
     with torch.inference_mode(), threadpool_limits(1, user_api="blas"):  # numpy on one thread, as the runner
@@ -76,7 +80,7 @@ def measure(model_dir: str, rows_list, repeats=9, working_set_mb=96) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python tools/bench_linear.py", description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default=default_model_dir())
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8, 16, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16, 64, 320])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--working-set", type=int, default=96, help="MB of weight copies the steps go round")
     ap.add_argument("--threads", type=int, default=0, help="threads (0: torch's default)")
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         res = measure(a.model_dir, a.rows, a.repeats, a.working_set)
     finally:
         torch.set_num_threads(threads)
-    print(f"threads: {a.threads or threads}; the kernel takes up to {cpu_linear.MAX_ROWS} rows")
+    print(f"threads: {a.threads or threads}")
     print("| rows | native (ms) | numpy (ms) | torch (ms) | torch / native |")
     print("|---|---|---|---|---|")
     for rows in a.rows:

@@ -1,32 +1,91 @@
-/* Linear layers of a few rows, for float32 on a CPU: y[i][j] = x[i] . w[j] (+ bias[j]).
+/* Linear layers on a CPU in float32: y[i][j] = x[i] . w[j] (+ bias[j]), from weights packed once.
  *
- * At a few rows a layer's cost is reading its weight matrix once from memory. Each weight row is
- * read once, contiguously, and dotted with every activation row while it sits in L1; the weight rows
- * are shared out among the threads in equal stretches. torch's products (sgemv, and sgemm for a
- * few rows) reached about half the bandwidth of this loop on the machines measured (see
- * cpu_linear.py). Each output is one dot product whose arithmetic does not depend on the number
- * of rows, so a row's result is the same alone or with others (a decode step and a verification
- * agree to the bit).
+ * lightspec_pack lays a weight [n][k] out as panels of NR = 32 output rows, [n / NR][k][NR]
+ * (the last panel zero-padded): a panel's k-th 32 values are one step of 32 dot products. The
+ * product walks each panel once from memory and keeps it in cache while every activation row
+ * uses it, six rows at a time: per step of k, two vector loads of the panel, six broadcasts and
+ * twelve fused multiply-adds into twelve vector accumulators, so the loop runs at the FMA units'
+ * rate and no horizontal sums are needed. Panels are shared out among the threads.
  *
- * Built with -O3 -march=native -ffast-math -fopenmp by native.py: the dot product vectorises to
- * whole registers with several partial sums, and the loop runs in torch's OpenMP pool.
+ * Each output is its own accumulator lane summed over k in order, whatever the number of rows and
+ * threads: a row's result is the same alone or with others (a decode step and a verification
+ * agree to the bit). The vector types are GCC's generic vectors: 16 floats, one AVX-512 register,
+ * two AVX2 ones, four NEON ones.
+ *
+ * Built by native.py with -O3 -march=native -fopenmp; the loops run in torch's OpenMP pool.
  */
 #include <stdint.h>
+#include <string.h>
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t k) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t t = 0; t < k; t++) s += a[t] * b[t];
-    return s;
+#define NR 32
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
+
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store(float *p, vf v) { *(vf_unaligned *)p = v; }
+
+int64_t lightspec_packed_size(int64_t n, int64_t k) { return (n + NR - 1) / NR * k * NR; }
+
+void lightspec_pack(const float *restrict w, int64_t n, int64_t k, float *restrict out) {
+    const int64_t panels = (n + NR - 1) / NR;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t t = 0; t < k; t++)
+            for (int j = 0; j < NR; j++) {
+                const int64_t row = p * NR + j;
+                out[(p * k + t) * NR + j] = row < n ? w[row * k + t] : 0.f;
+            }
 }
 
-/* x: [m][k], w: [n][k], bias: [n] or NULL, y: [m][n], all contiguous. */
-void lightspec_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict w, int64_t n,
+/* MR rows of x against one panel: y[r][0..cols) for r < MR, bias added. */
+#define MICRO(MR)                                                                                      \
+    static void micro_##MR(const float *restrict x, int64_t k, const float *restrict panel,           \
+                           const float *restrict bias, float *restrict y, int64_t ldy, int64_t cols) {  \
+        vf lo[MR], hi[MR];                                                                             \
+        for (int r = 0; r < MR; r++) lo[r] = hi[r] = (vf){0};                                          \
+        for (int64_t t = 0; t < k; t++) {                                                              \
+            const vf w0 = load(panel + t * NR), w1 = load(panel + t * NR + 16);                        \
+            for (int r = 0; r < MR; r++) {                                                             \
+                const float xs = x[r * k + t];                                                         \
+                lo[r] += xs * w0;                                                                      \
+                hi[r] += xs * w1;                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        float b[NR] = {0};                                                                             \
+        if (bias) memcpy(b, bias, cols * sizeof(float));                                               \
+        for (int r = 0; r < MR; r++) {                                                                 \
+            lo[r] += load(b);                                                                          \
+            hi[r] += load(b + 16);                                                                     \
+            if (cols == NR) {                                                                          \
+                store(y + r * ldy, lo[r]);                                                             \
+                store(y + r * ldy + 16, hi[r]);                                                        \
+            } else {                                                                                   \
+                float tmp[NR];                                                                         \
+                store(tmp, lo[r]);                                                                     \
+                store(tmp + 16, hi[r]);                                                                \
+                memcpy(y + r * ldy, tmp, cols * sizeof(float));                                        \
+            }                                                                                          \
+        }                                                                                              \
+    }
+MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
+
+/* x: [m][k] contiguous, packed: lightspec_pack of w [n][k], bias: [n] or NULL, y: [m][n]. */
+void lightspec_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict packed, int64_t n,
                       const float *restrict bias, float *restrict y, int threads) {
+    const int64_t panels = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t j = 0; j < n; j++) {
-        const float *restrict wj = w + j * k;
-        const float b = bias ? bias[j] : 0.f;
-        for (int64_t i = 0; i < m; i++) y[i * n + j] = dot(x + i * k, wj, k) + b;
+    for (int64_t p = 0; p < panels; p++) {
+        const float *panel = packed + p * k * NR;
+        const float *b = bias ? bias + p * NR : NULL;
+        const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+        float *yp = y + p * NR;
+        int64_t i = 0;
+        for (; i + 6 <= m; i += 6) micro_6(x + i * k, k, panel, b, yp + i * n, n, cols);
+        switch (m - i) {
+            case 5: micro_5(x + i * k, k, panel, b, yp + i * n, n, cols); break;
+            case 4: micro_4(x + i * k, k, panel, b, yp + i * n, n, cols); break;
+            case 3: micro_3(x + i * k, k, panel, b, yp + i * n, n, cols); break;
+            case 2: micro_2(x + i * k, k, panel, b, yp + i * n, n, cols); break;
+            case 1: micro_1(x + i * k, k, panel, b, yp + i * n, n, cols); break;
+        }
     }
 }

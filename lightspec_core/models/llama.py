@@ -42,10 +42,10 @@ NATIVE = "native"  # a step plan's entry for a group that cpu_attention's kernel
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except for a few rows of float32 on a CPU outside autograd: cpu_linear's kernel
-    (a step's cost at a few rows is reading the weights, which it does at about twice torch's
-    speed), or where that kernel is not had, numpy's matrix-vector product for one row (about twice
-    torch's speed too; the caller keeps numpy's BLAS on one thread: ``mtp_heads.single_thread_blas``)."""
+    """``F.linear``, except for float32 on a CPU outside autograd: cpu_linear's kernel (about twice
+    torch's speed from one row to a thousand, see cpu_linear.py), or where that kernel is not had,
+    numpy's matrix-vector product for one row (also about twice torch's speed; the caller keeps
+    numpy's BLAS on one thread: ``mtp_heads.single_thread_blas``)."""
     if cpu_linear.usable(x, weight):
         return cpu_linear.linear(x, weight, bias)
     if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():

@@ -109,8 +109,8 @@ class FoldedMTPHead:
     arithmetic in numpy over the same memory: for one row numpy's elementwise ops cost about half
     what torch's dispatch does, and a server's lone request pays its heads every step. More rows
     stay in torch: row by row in numpy did not pay in the server (docs/benchmarks.md). Both paths
-    take their products from :func:`llama.linear`'s kernel (cpu_linear.c) where it is had, so a
-    row's drafts are the same on either.
+    take their products from cpu_linear's kernel where it is had, so a row's drafts are the
+    same on either.
     """
 
     def __init__(self, head: MTPHead, embed: torch.Tensor, lm_weight: torch.Tensor):
@@ -126,8 +126,7 @@ class FoldedMTPHead:
             self.w_lm = (lm_weight * head.out_norm.weight).contiguous()  # [V_draft, H]
         self.eps = eps
         self.h = h
-        # numpy views of the same storage (no copy) for one_row
-        self._np = tuple(t.numpy() for t in (self.w_state, self.tok_table, self.w_gate_up, self.w_down, self.w_lm))
+        self._tok_table_np = self.tok_table.numpy()  # the same storage, for one_row
 
     def __call__(self, state: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """state [B, H], tok [B] -> (next state [B, H], logits over the LM head's rows [B, V_draft])."""
@@ -141,14 +140,13 @@ class FoldedMTPHead:
         """``__call__`` for one row in numpy: state fp32 [H], token id -> (next state [H], logits
         [V_draft]). SiLU as ``g * (1 + tanh(g / 2)) / 2``, the same function without ``exp``'s
         overflow."""
-        w_state, tok_table, w_gate_up, w_down, w_lm = self._np
         mv = cpu_linear.matvec
-        x = mv(w_state, self._normed(state)) + tok_table[tok]
-        gate_up = mv(w_gate_up, self._normed(x))
+        x = mv(self.w_state, self._normed(state)) + self._tok_table_np[tok]
+        gate_up = mv(self.w_gate_up, self._normed(x))
         half = gate_up.shape[0] // 2
         gate, up = gate_up[:half], gate_up[half:]  # slices: np.split costs 12 us a call here
-        x = x + mv(w_down, gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up)
-        return x, mv(w_lm, self._normed(x))
+        x = x + mv(self.w_down, gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up)
+        return x, mv(self.w_lm, self._normed(x))
 
     def _normed(self, x: np.ndarray) -> np.ndarray:
         return x * np.float32(1.0 / math.sqrt(float(x @ x) / self.h + self.eps))

@@ -30,6 +30,8 @@ from ..config import cache_dir
 log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# For a kernel whose results must not depend on how the compiler regroups its sums (cpu_linear.c)
+STRICT_FLAGS = [f for f in FLAGS if f != "-ffast-math"]
 # Linked without -ffast-math: with it gcc adds crtfastmath.o, whose constructor sets the CPU's
 # flush-to-zero and denormals-are-zero modes for the whole process (torch's arithmetic included).
 LINK = ["-shared", "-fopenmp"]
@@ -45,14 +47,16 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep))) or platform.machine()
 
 
-def build(source: Path, compiler: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compiles ``source`` (once per source, flags and CPU) and returns the shared library's path.
-    Raises ``RuntimeError`` with the compiler's message when it fails."""
+def build(
+    source: Path, compiler: str | None = None, out_dir: Path | None = None, flags: list[str] = FLAGS
+) -> Path:
+    """Compiles ``source`` with ``flags`` (once per source, flags and CPU) and returns the shared
+    library's path. Raises ``RuntimeError`` with the compiler's message when it fails."""
     cc = shlex.split(compiler or os.environ.get("CC") or "cc")
     if not shutil.which(cc[0]):
         raise RuntimeError(f"no C compiler {cc[0]!r} (set CC)")
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(cc + FLAGS + LINK).encode(), _cpu_signature().encode()]))
+    key = hashlib.sha256(b"\0".join([text, " ".join(cc + flags + LINK).encode(), _cpu_signature().encode()]))
     out_dir = out_dir or cache_dir() / "kernels"
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
@@ -63,7 +67,7 @@ def build(source: Path, compiler: str | None = None, out_dir: Path | None = None
     os.close(fd)
     obj = tmp + ".o"
     try:
-        for cmd in ([*cc, *FLAGS, "-c", str(source), "-o", obj], [*cc, *LINK, obj, "-o", tmp, "-lm"]):
+        for cmd in ([*cc, *flags, "-c", str(source), "-o", obj], [*cc, *LINK, obj, "-o", tmp, "-lm"]):
             done = subprocess.run(cmd, check=False, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"{shlex.join(cc)} failed: {done.stderr.strip()[-2000:]}")
@@ -75,11 +79,11 @@ def build(source: Path, compiler: str | None = None, out_dir: Path | None = None
     return lib
 
 
-def library(source: Path) -> ctypes.CDLL | None:
-    """``source`` built and loaded (ctypes releases the interpreter lock for each call), or None
-    where it cannot be had; the reason is logged."""
+def library(source: Path, flags: list[str] = FLAGS) -> ctypes.CDLL | None:
+    """``source`` built with ``flags`` and loaded (ctypes releases the interpreter lock for each
+    call), or None where it cannot be had; the reason is logged."""
     try:
-        return ctypes.CDLL(str(build(source)))
+        return ctypes.CDLL(str(build(source, flags=flags)))
     except (OSError, RuntimeError) as e:
         log.warning("native CPU kernel %s unavailable, using the torch path: %s", source.name, e)
         return None

@@ -85,6 +85,7 @@ def test_build_is_cached_per_source_and_a_failing_compiler_is_an_error_naming_it
     stamp = first.stat().st_mtime_ns
     assert native.build(source, out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert first.name.startswith(source.stem + "-")
+    assert native.build(source, out_dir=tmp_path, flags=native.STRICT_FLAGS) != first  # flags are in the key
     with pytest.raises(RuntimeError, match="false"):
         native.build(source, compiler="false", out_dir=tmp_path / "other")
     with pytest.raises(RuntimeError, match="no C compiler 'no-such-cc'"):
@@ -99,7 +100,7 @@ def test_without_a_kernel_or_when_switched_off_the_model_keeps_the_torch_path(mo
     monkeypatch.delenv(cpu_attention.ENV_SWITCH)
     assert not cpu_attention.usable(kv.double())  # float32 only
     cpu_attention.kernel.cache_clear()
-    monkeypatch.setattr(native, "build", lambda source: (_ for _ in ()).throw(RuntimeError("no cc")))
+    monkeypatch.setattr(native, "build", lambda source, flags: (_ for _ in ()).throw(RuntimeError("no cc")))
     try:
         assert cpu_attention.kernel() is None and not cpu_attention.usable(kv)
     finally:

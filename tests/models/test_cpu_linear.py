@@ -1,7 +1,8 @@
-"""The native kernel for linear layers of a few rows (cpu_linear.c) against torch's products."""
+"""The native kernel for linear layers (cpu_linear.c) against torch's products."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ needs_kernel = pytest.mark.skipif(cpu_linear.kernel() is None, reason="no C comp
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 70])  # whole blocks of six rows and every remainder
 @pytest.mark.parametrize("n, k, bias", [(96, 40, True), (4096, 256, False), (7, 704, True), (33, 3, False)])
 def test_equals_torchs_product(rows, n, k, bias):
     gen = torch.Generator().manual_seed(rows * n + k)
@@ -29,7 +30,8 @@ def test_equals_torchs_product(rows, n, k, bias):
 def test_a_rows_result_is_the_same_bits_alone_with_other_rows_and_on_any_thread_count():
     """What lets a verification's rows agree to the bit with the decode step of the same token."""
     gen = torch.Generator().manual_seed(1)
-    x, w, b = torch.randn(9, 256, generator=gen), torch.randn(1408, 256, generator=gen), torch.randn(1408, generator=gen)
+    x, w = torch.randn(9, 256, generator=gen), torch.randn(1408, 256, generator=gen)
+    b = torch.randn(1408, generator=gen)
     threads = torch.get_num_threads()
     with torch.inference_mode():
         together = cpu_linear.linear(x, w, b)
@@ -38,7 +40,23 @@ def test_a_rows_result_is_the_same_bits_alone_with_other_rows_and_on_any_thread_
             alone = torch.cat([cpu_linear.linear(x[i : i + 1], w, b) for i in range(len(x))])
         finally:
             torch.set_num_threads(threads)
-    assert torch.equal(together, alone)
+        assert torch.equal(together, alone)
+        assert torch.equal(torch.from_numpy(cpu_linear.matvec(w, x[4].numpy())) + b, alone[4])
+
+
+@needs_kernel
+def test_panels_are_packed_once_and_again_after_the_weight_changes_in_place():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    with torch.inference_mode():
+        cpu_linear.linear(x, w)
+        first = cpu_linear.packed(w)
+        assert cpu_linear.packed(w) is first
+    with torch.no_grad():
+        w.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_linear.linear(x, w), x @ w.T, atol=1e-4, rtol=1e-5)
+        assert cpu_linear.packed(w) is not first
 
 
 @needs_kernel
@@ -53,19 +71,21 @@ def test_inputs_that_are_views_are_read_as_their_values_and_mismatched_shapes_ar
             cpu_linear.linear(x, w[:, :40])
         with pytest.raises(ValueError, match="bias"):
             cpu_linear.linear(x, w, torch.zeros(31))
+        with pytest.raises(ValueError, match="matvec"):
+            cpu_linear.matvec(w, np.zeros(40, np.float32))
 
 
-def test_more_rows_autograd_other_dtypes_or_the_switch_keep_torchs_products(monkeypatch):
+def test_autograd_other_dtypes_or_the_switch_keep_torchs_products(monkeypatch):
     x, w = torch.randn(1, 8), torch.randn(4, 8)
     with torch.inference_mode():
-        assert not cpu_linear.usable(torch.randn(cpu_linear.MAX_ROWS + 1, 8), w)
         assert not cpu_linear.usable(x.double(), w.double())
         monkeypatch.setenv(cpu_linear.ENV_SWITCH, "off")
         assert not cpu_linear.usable(x, w)
+        torch.testing.assert_close(torch.from_numpy(cpu_linear.matvec(w, x[0].numpy())), (x @ w.T)[0])
     monkeypatch.delenv(cpu_linear.ENV_SWITCH)
     assert not cpu_linear.usable(x, w)  # gradients on
     cpu_linear.kernel.cache_clear()
-    monkeypatch.setattr(native, "build", lambda source: (_ for _ in ()).throw(RuntimeError("no cc")))
+    monkeypatch.setattr(native, "build", lambda source, flags: (_ for _ in ()).throw(RuntimeError("no cc")))
     try:
         with torch.inference_mode():
             assert cpu_linear.kernel() is None and not cpu_linear.usable(x, w)
@@ -74,10 +94,10 @@ def test_more_rows_autograd_other_dtypes_or_the_switch_keep_torchs_products(monk
 
 
 @pytest.mark.parametrize("path", ["native", "numpy"])
-@pytest.mark.parametrize("rows", [1, 5, cpu_linear.MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 5, 40])
 def test_the_models_linear_equals_torchs_on_every_path_and_autograd_keeps_torchs(path, rows, monkeypatch):
-    """llama.linear: the kernel up to MAX_ROWS rows; without it numpy's matrix-vector product for
-    one row; torch's product otherwise, and always with gradients on."""
+    """llama.linear: the kernel; without it numpy's matrix-vector product for one row and torch's
+    product for more; torch's with gradients on."""
     if path == "native" and cpu_linear.kernel() is None:
         pytest.skip("no C compiler on this machine")
     monkeypatch.setenv(cpu_linear.ENV_SWITCH, "on" if path == "native" else "off")

@@ -20,7 +20,7 @@ def test_each_path_is_timed_at_each_row_count_and_the_table_names_them(smoke_mod
     assert sorted(res) == [(1, "native"), (1, "numpy"), (1, "torch"), (3, "native"), (3, "torch")]
     assert all(t > 0 for t in res.values())
     out = capsys.readouterr().out
-    assert "| 3 |" in out and "threads: 1" in out and f"up to {cpu_linear.MAX_ROWS} rows" in out
+    assert "| 3 |" in out and "threads: 1" in out
     assert torch.get_num_threads() == before
 
 
