@@ -16,6 +16,7 @@ three equal. The indices of a step are built once per step (:meth:`PagedBatch.bu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,14 +38,22 @@ class AttnGroup:
     tile_rows: torch.Tensor  # int64 [Bg*kv_heads*blocks]  pool tiles (block x kv_heads + head) in context order
     starts: torch.Tensor  # int64 [Bg]  each request's first row in the packed batch
     query_lens: torch.Tensor  # int64 [Bg]  its new tokens (rows)
-    mask: torch.Tensor  # float [Bg, 1, Q, P]  0 where a query may attend to a key, -inf elsewhere
+    query_positions: torch.Tensor  # int64 [Bg, Q] on the CPU  each query's position, -1 for padding
     num_requests: int
     max_query: int
     max_context: int  # the longest context in the group (P rounds it up to whole blocks)
+    padded_context: int  # P
 
-    @property
-    def padded_context(self) -> int:
-        return self.mask.shape[-1]
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """float [Bg, 1, Q, P] on the group's device: 0 where a query may attend to a key, -inf
+        elsewhere. Built on first use: the native kernel (cpu_attention.py) reads positions instead."""
+        q_pos = self.query_positions
+        # key c visible to a query at position p iff c <= p; padded queries (p = -1) see key 0 only,
+        # which keeps their softmax finite (their output is discarded)
+        visible = torch.arange(self.padded_context).view(1, 1, -1) <= q_pos.unsqueeze(-1)
+        visible[:, :, 0] |= q_pos < 0
+        return torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(1).to(self.tile_rows.device)
 
 
 def _group_key(q: int) -> int:
@@ -79,22 +88,17 @@ def _attn_group(
     tiles = gbt.unsqueeze(1) * kv_heads + torch.arange(kv_heads).view(1, kv_heads, 1)  # [Bg, kv_heads, blocks]
     q_pos = torch.full((len(rows) * max_q,), -1, dtype=torch.int64)
     q_pos[query_index] = gpos
-    q_pos = q_pos.view(len(rows), max_q)
-    # key c visible to a query at position p iff c <= p; padded queries (p = -1) see key 0 only,
-    # which keeps their softmax finite (their output is discarded)
-    visible = torch.arange(blocks * block_size).view(1, 1, -1) <= q_pos.unsqueeze(-1)
-    visible[:, :, 0] |= q_pos < 0
-    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(1)
     return AttnGroup(
         token_rows.to(dev),
         query_index.to(dev),
         tiles.reshape(-1).to(dev),
         starts[rows].to(dev),
         glens.to(dev),
-        mask.to(dev),
+        q_pos.view(len(rows), max_q),
         len(rows),
         max_q,
         max_c,
+        blocks * block_size,
     )
 
 
