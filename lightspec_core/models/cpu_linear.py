@@ -44,16 +44,20 @@ def kernel():
     return pack, linear, size
 
 
+def enabled() -> bool:
+    """Whether the kernel is built and not switched off."""
+    return not native.switched_off(ENV_SWITCH) and kernel() is not None
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel computes ``x @ weight.T``: 2-D float32 on a CPU, outside autograd, not
-    switched off, kernel built."""
+    """Whether the kernel computes ``x @ weight.T``: 2-D float32 on a CPU, outside autograd, kernel
+    enabled."""
     return (
         x.dim() == 2
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_grad_enabled()
-        and not native.switched_off(ENV_SWITCH)
-        and kernel() is not None
+        and enabled()
     )
 
 
@@ -98,7 +102,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def matvec(weight: torch.Tensor, x: np.ndarray) -> np.ndarray:
     """``weight @ x`` for a float32 weight [n, k] on the CPU and a numpy vector x [k]: the kernel
     where it is had and not switched off, else numpy's product."""
-    if native.switched_off(ENV_SWITCH) or kernel() is None or weight.dtype != torch.float32:
+    if not enabled() or weight.dtype != torch.float32:
         return weight.detach().numpy() @ x
     if x.shape != weight.shape[1:]:
         raise ValueError(f"matvec: weight {tuple(weight.shape)}, x {x.shape} do not match")

@@ -52,7 +52,7 @@ class ModelRunner:
             self.config.num_key_value_heads,
             self.config.head_dim,
         )
-        # one row: the model's products are numpy's (llama.linear), on this thread only
+        # one row: numpy's BLAS on this thread only, for llama.linear's numpy product where the native kernel is off
         one_row = single_thread_blas() if len(batch.input_ids) == 1 else contextlib.nullcontext()
         with torch.inference_mode(), one_row:
             hidden = self.model.forward_paged(batch, self.kv)
