@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_attention, cpu_linear
+from . import cpu_attention, cpu_layer, cpu_linear
 from .checkpoint import read_weights, resolve_dtype, write_checkpoint
 from .hf_config import LlamaConfig
 from .paged import (
@@ -204,6 +204,14 @@ class LlamaModel(nn.Module):
         # per step, not per layer: how each group attends
         plans = [self._plan(g, native, block_size, kv.dtype) for g in batch.groups]
         x = self.model.embed_tokens(batch.input_ids)  # [N, H]
+        if self.model.layers[0].self_attn.fused is not None and cpu_layer.usable(x, kv):
+            eps = self.config.rms_norm_eps
+            for li, layer in enumerate(self.model.layers):
+                q = cpu_layer.pre(
+                    layer, x, self.rope, batch.positions, kv[li], batch.key_elements, batch.value_rows, eps
+                )
+                cpu_layer.post(layer, x, self._attention(batch, plans, q, kv[li]), eps)
+            return self.model.norm(x[batch.sample_indices])
         cos, sin = self.rope.tables(batch.positions)
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightspec_core.models import cpu_attention, cpu_linear, native
+from lightspec_core.models import cpu_attention, cpu_layer, cpu_linear, native
 from lightspec_core.models.paged import PagedBatch, attend_pool, bag_rows, row_mask
 
 needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C compiler on this machine")
@@ -79,7 +79,7 @@ def test_a_query_sees_only_keys_up_to_its_own_position():
     )
 
 
-@pytest.mark.parametrize("source", [cpu_attention.SOURCE, cpu_linear.SOURCE], ids=lambda p: p.stem)
+@pytest.mark.parametrize("source", [cpu_attention.SOURCE, cpu_linear.SOURCE, cpu_layer.SOURCE], ids=lambda p: p.stem)
 def test_build_is_cached_per_source_and_a_failing_compiler_is_an_error_naming_it(source, tmp_path):
     first = native.build(source, out_dir=tmp_path)
     stamp = first.stat().st_mtime_ns

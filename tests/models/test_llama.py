@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from lightspec_core.models import cpu_layer
 from lightspec_core.models.llama import LlamaConfig, LlamaModel
 from lightspec_core.models.paged import PagedBatch
 from lightspec_core.models.rope import RopeScaling
@@ -56,13 +57,15 @@ def max_diff_against_transformers(model_dir: Path) -> float:
     got = _step(runner, [(fresh, 45)], [tables[0]])  # junk[0] kept; 45.. rewritten, stale slots never read
     diffs.append(np.abs(got - reference(a + junk[:1] + fresh)[45:]).max())
     nxt = rng.integers(3, 256, 1).tolist()
-    got = _step(runner, [(nxt, 9)], [tables[1]])  # a lone row: numpy's products (llama.linear)
+    got = _step(runner, [(nxt, 9)], [tables[1]])  # a lone row
     diffs.append(np.abs(got - reference(b + nxt)[9:]).max())
     return float(max(diffs))
 
 
+@pytest.mark.parametrize("layer", ["native", "torch"])  # cpu_layer.c, or the torch operations it replaces
 @pytest.mark.parametrize("case", CASES)
-def test_runner_logits_equal_transformers(case, tmp_path):
+def test_runner_logits_equal_transformers(case, layer, tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_layer.ENV_SWITCH, "on" if layer == "native" else "off")
     model_type, overrides, saving = CASES[case]
     model_dir = save_hf_checkpoint(tmp_path / case, model_type, overrides, **saving)
     diff = max_diff_against_transformers(model_dir)

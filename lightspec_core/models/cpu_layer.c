@@ -1,0 +1,184 @@
+/* A decoder layer's work around attention on a CPU in float32, in two calls instead of about
+ * twenty torch operations: at a few rows a step is their dispatch, not their arithmetic.
+ *
+ * lightspec_layer_pre:  x -> RMSNorm -> fused q/k/v product (+ bias) -> q/k RMSNorm (Qwen3) ->
+ *                       rotary embedding -> K/V written into the paged pool, q packed for attention.
+ * lightspec_layer_post: attention output -> o product (+ bias) -> residual -> RMSNorm ->
+ *                       fused gate/up product -> SiLU(gate) * up -> down product -> residual.
+ *
+ * The products are cpu_linear.c's kernel, passed in as a function pointer (one build of it, one
+ * set of packed weights). Everything else works one row at a time with the same instructions
+ * whatever the number of rows and threads, so a row's result does not depend on what else is in
+ * the step: a decode step, a verification and a step that also carries a prompt chunk agree to the
+ * bit, which keeps speculation lossless. Built without -ffast-math (native.STRICT_FLAGS) so the
+ * compiler keeps the sums' order as written.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*linear_fn)(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                          const float *bias, float *y, int threads);
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
+#define LANES 16
+
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store(float *p, vf v) { *(vf_unaligned *)p = v; }
+static inline vf splat(float s) { return (vf){0} + s; }
+static inline vf select_(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* Row stages are worth threads only from this many rows. */
+#define PARALLEL_ROWS 16
+
+/* sum of squares: 16 lane sums, then the lanes in order, then the tail */
+static float sum_squares(const float *x, int64_t n) {
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vf v = load(x + i);
+        acc += v * v;
+    }
+    float s = 0.f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32; out may be x */
+static void rms_norm(const float *x, int64_t n, const float *w, float eps, float *out) {
+    const float r = 1.f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* rotate-half rotary embedding of one head in place (the Hugging Face convention) */
+static void rotate(float *x, int64_t hd, const float *c, const float *s) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * c[i] - b * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+/* e^x, lane-wise: Cephes' expf (range reduction by ln 2, degree-6 polynomial), about one ulp */
+static inline vf exp_lanes(vf x) {
+    x = select_(x > splat(88.3762626647949f), splat(88.3762626647949f), x);
+    x = select_(x < splat(-87.3365478515625f), splat(-87.3365478515625f), x);
+    const vf t = x * splat(1.44269504088896341f) + splat(0.5f);
+    vi k = __builtin_convertvector(t, vi);  // truncates: one less where t is negative and not whole
+    vf kf = __builtin_convertvector(k, vf);
+    const vi over = kf > t;
+    k += over;  // over is -1 where true
+    kf = __builtin_convertvector(k, vf);
+    const vf r = x - kf * splat(0.693359375f) + kf * splat(2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.f);
+    return p * (vf)((k + 127) << 23);
+}
+
+/* out[i] = silu(gate[i]) * up[i] */
+static void silu_mul(const float *gate, const float *up, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vf g = load(gate + i);
+        store(out + i, g / (splat(1.f) + exp_lanes(-g)) * load(up + i));
+    }
+    if (i < n) {  // the tail through the same lane arithmetic
+        float g[LANES] = {0}, u[LANES] = {0}, o[LANES];
+        memcpy(g, gate + i, (n - i) * sizeof(float));
+        memcpy(u, up + i, (n - i) * sizeof(float));
+        const vf gv = load(g);
+        store(o, gv / (splat(1.f) + exp_lanes(-gv)) * load(u));
+        memcpy(out + i, o, (n - i) * sizeof(float));
+    }
+}
+
+/* x [n][h]: the residual stream (read). q_out [n][nq*hd]: the rotated queries. The rotated keys
+ * and the values go into the pool: key element e of the step (row, kv head, dim) to
+ * key_pool[key_elements[e]], value row v (row, kv head) to value_pool[value_rows[v]*hd ...].
+ * cos/sin: the rope tables [positions][hd]. q_norm/k_norm [hd] or NULL, qkv_bias or NULL.
+ * Returns 0, 1 when out of memory, 2 for a position past the tables. */
+int lightspec_layer_pre(const float *x, int64_t n, int64_t h, const float *ln, float eps,
+                        const float *qkv_packed, const float *qkv_bias, int64_t nq, int64_t nkv, int64_t hd,
+                        const float *q_norm, const float *k_norm, const float *cos_table,
+                        const float *sin_table, int64_t table_positions, const int64_t *positions,
+                        float *key_pool, const int64_t *key_elements, float *value_pool,
+                        const int64_t *value_rows, float *q_out, int threads, linear_fn linear) {
+    for (int64_t r = 0; r < n; r++)
+        if (positions[r] < 0 || positions[r] >= table_positions) return 2;
+    const int64_t width = (nq + 2 * nkv) * hd;
+    float *normed = malloc(sizeof(float) * n * h), *qkv = malloc(sizeof(float) * n * width);
+    if (!normed || !qkv) {
+        free(normed);
+        free(qkv);
+        return 1;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < n; r++) rms_norm(x + r * h, h, ln, eps, normed + r * h);
+    linear(normed, n, h, qkv_packed, width, qkv_bias, qkv, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < n; r++) {
+        float *row = qkv + r * width;
+        const float *c = cos_table + positions[r] * hd, *s = sin_table + positions[r] * hd;
+        for (int64_t j = 0; j < nq; j++) {
+            float *head = row + j * hd;
+            if (q_norm) rms_norm(head, hd, q_norm, eps, head);
+            rotate(head, hd, c, s);
+        }
+        memcpy(q_out + r * nq * hd, row, sizeof(float) * nq * hd);
+        for (int64_t j = 0; j < nkv; j++) {
+            float *key = row + (nq + j) * hd;
+            if (k_norm) rms_norm(key, hd, k_norm, eps, key);
+            rotate(key, hd, c, s);
+            const int64_t *dest = key_elements + (r * nkv + j) * hd;
+            for (int64_t d = 0; d < hd; d++) key_pool[dest[d]] = key[d];
+            memcpy(value_pool + value_rows[r * nkv + j] * hd, row + (nq + nkv + j) * hd, sizeof(float) * hd);
+        }
+    }
+    free(normed);
+    free(qkv);
+    return 0;
+}
+
+/* x [n][h]: the residual stream, updated in place; attn [n][attn_dim]: attention's output.
+ * Biases may be NULL. gate_up_packed: gate and up stacked ([2*inter][h]). Returns 0, or 1 when
+ * out of memory. */
+int lightspec_layer_post(float *x, int64_t n, int64_t h, const float *attn, int64_t attn_dim,
+                         const float *o_packed, const float *o_bias, const float *ln, float eps,
+                         const float *gate_up_packed, const float *gate_up_bias, int64_t inter,
+                         const float *down_packed, const float *down_bias, int threads, linear_fn linear) {
+    float *t = malloc(sizeof(float) * n * h), *gate_up = malloc(sizeof(float) * n * 2 * inter),
+          *act = malloc(sizeof(float) * n * inter);
+    if (!t || !gate_up || !act) {
+        free(t);
+        free(gate_up);
+        free(act);
+        return 1;
+    }
+    linear(attn, n, attn_dim, o_packed, h, o_bias, t, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < n; r++) {
+        float *xr = x + r * h, *tr = t + r * h;
+        for (int64_t i = 0; i < h; i++) xr[i] += tr[i];
+        rms_norm(xr, h, ln, eps, tr);
+    }
+    linear(t, n, h, gate_up_packed, 2 * inter, gate_up_bias, gate_up, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < n; r++)
+        silu_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, act + r * inter);
+    linear(act, n, inter, down_packed, h, down_bias, t, threads);
+    for (int64_t i = 0; i < n * h; i++) x[i] += t[i];
+    free(t);
+    free(gate_up);
+    free(act);
+    return 0;
+}
