@@ -5,6 +5,7 @@
  *                       rotary embedding -> K/V written into the paged pool, q packed for attention.
  * lightspec_layer_post: attention output -> o product (+ bias) -> residual -> RMSNorm ->
  *                       fused gate/up product -> SiLU(gate) * up -> down product -> residual.
+ * lightspec_mtp_head:   one folded MTP head (mtp_heads.FoldedMTPHead) for any number of rows.
  *
  * The products are cpu_linear.c's kernel, passed in as a function pointer (one build of it, one
  * set of packed weights). Everything else works one row at a time with the same instructions
@@ -48,10 +49,14 @@ static float sum_squares(const float *x, int64_t n) {
     return s;
 }
 
-/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32; out may be x */
+/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32 (w NULL: no
+ * weight); out may be x */
 static void rms_norm(const float *x, int64_t n, const float *w, float eps, float *out) {
     const float r = 1.f / sqrtf(sum_squares(x, n) / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+    if (w)
+        for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+    else
+        for (int64_t i = 0; i < n; i++) out[i] = x[i] * r;
 }
 
 /* rotate-half rotary embedding of one head in place (the Hugging Face convention) */
@@ -177,6 +182,49 @@ int lightspec_layer_post(float *x, int64_t n, int64_t h, const float *attn, int6
         silu_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, act + r * inter);
     linear(act, n, inter, down_packed, h, down_bias, t, threads);
     for (int64_t i = 0; i < n * h; i++) x[i] += t[i];
+    free(t);
+    free(gate_up);
+    free(act);
+    return 0;
+}
+
+/* One folded MTP head (mtp_heads.FoldedMTPHead: norm weights folded into the products) for n rows:
+ * x = norm(state) W_state^T + tok_table[token]; x += down(silu(gate) * up)(norm(x));
+ * logits = norm(x) W_lm^T. state, next_state [n][h], logits [n][vocab]. Returns 0, 1 when out of
+ * memory, 2 for a token past the table's rows. */
+int lightspec_mtp_head(const float *state, const int64_t *tokens, int64_t n, int64_t h, float eps,
+                       const float *state_packed, const float *tok_table, int64_t table_rows,
+                       const float *gate_up_packed, int64_t inter, const float *down_packed,
+                       const float *lm_packed, int64_t vocab, float *next_state, float *logits, int threads,
+                       linear_fn linear) {
+    for (int64_t r = 0; r < n; r++)
+        if (tokens[r] < 0 || tokens[r] >= table_rows) return 2;
+    float *t = malloc(sizeof(float) * n * h), *gate_up = malloc(sizeof(float) * n * 2 * inter),
+          *act = malloc(sizeof(float) * n * inter);
+    if (!t || !gate_up || !act) {
+        free(t);
+        free(gate_up);
+        free(act);
+        return 1;
+    }
+    for (int64_t r = 0; r < n; r++) rms_norm(state + r * h, h, NULL, eps, t + r * h);
+    linear(t, n, h, state_packed, h, NULL, next_state, threads);
+    for (int64_t r = 0; r < n; r++) {
+        float *x = next_state + r * h;
+        const float *e = tok_table + tokens[r] * h;
+        for (int64_t i = 0; i < h; i++) x[i] += e[i];
+        rms_norm(x, h, NULL, eps, t + r * h);
+    }
+    linear(t, n, h, gate_up_packed, 2 * inter, NULL, gate_up, threads);
+    for (int64_t r = 0; r < n; r++)
+        silu_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, act + r * inter);
+    linear(act, n, inter, down_packed, h, NULL, t, threads);
+    for (int64_t r = 0; r < n; r++) {
+        float *x = next_state + r * h;
+        for (int64_t i = 0; i < h; i++) x[i] += t[r * h + i];
+        rms_norm(x, h, NULL, eps, t + r * h);
+    }
+    linear(t, n, h, lm_packed, vocab, NULL, logits, threads);
     free(t);
     free(gate_up);
     free(act);

@@ -18,6 +18,7 @@ import ctypes
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import cpu_linear, native
@@ -28,16 +29,17 @@ ENV_SWITCH = "LIGHTSPEC_CPU_LAYER"  # "off": keep the torch operations
 
 @functools.cache
 def kernel():
-    """The compiled (pre, post) ctypes functions, or None where they cannot be had."""
+    """The compiled (pre, post, mtp_head) ctypes functions, or None where they cannot be had."""
     lib = native.library(SOURCE, flags=native.STRICT_FLAGS)
     if lib is None:
         return None
     p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    pre, post = lib.lightspec_layer_pre, lib.lightspec_layer_post
+    pre, post, head = lib.lightspec_layer_pre, lib.lightspec_layer_post, lib.lightspec_mtp_head
     pre.argtypes = [p, i64, i64, p, f32, p, p, i64, i64, i64, p, p, p, p, i64, p, p, p, p, p, p, c_int, p]
     post.argtypes = [p, i64, i64, p, i64, p, p, p, f32, p, p, i64, p, p, c_int, p]
-    pre.restype = post.restype = c_int
-    return pre, post
+    head.argtypes = [p, p, i64, i64, f32, p, p, i64, p, i64, p, p, i64, p, p, c_int, p]
+    pre.restype = post.restype = head.restype = c_int
+    return pre, post, head
 
 
 @functools.cache
@@ -45,17 +47,15 @@ def _linear_address() -> int:
     return ctypes.cast(cpu_linear.kernel()[1], ctypes.c_void_p).value
 
 
+def enabled() -> bool:
+    """Whether this kernel and cpu_linear's are built and neither is switched off."""
+    return not native.switched_off(ENV_SWITCH) and kernel() is not None and cpu_linear.enabled()
+
+
 def usable(x: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether the layers of a step over the residual stream ``x`` and the pool ``kv`` run natively:
     float32 on a CPU outside autograd, this kernel and cpu_linear's built and not switched off."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == kv.dtype == torch.float32
-        and not torch.is_grad_enabled()
-        and not native.switched_off(ENV_SWITCH)
-        and kernel() is not None
-        and cpu_linear.enabled()
-    )
+    return x.device.type == "cpu" and x.dtype == kv.dtype == torch.float32 and not torch.is_grad_enabled() and enabled()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -112,6 +112,26 @@ def post(layer, x: torch.Tensor, attn: torch.Tensor, eps: float) -> None:
         torch.get_num_threads(), _linear_address(),
     )  # fmt: skip
     _check(rc)
+
+
+def mtp_head(head, state: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A folded MTP head (``mtp_heads.FoldedMTPHead``) for float32 ``state`` [n, H] and token ids
+    ``tokens`` int64 [n]: (next state [n, H], logits over its LM head's rows [n, V_draft])."""
+    state = np.ascontiguousarray(state, dtype=np.float32)
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+    n, h = state.shape
+    vocab = head.w_lm.shape[0]
+    nxt, logits = np.empty((n, h), np.float32), np.empty((n, vocab), np.float32)
+    rc = kernel()[2](
+        state.ctypes.data, tokens.ctypes.data, n, h, head.eps, cpu_linear.packed(head.w_state).data_ptr(),
+        head.tok_table.data_ptr(), head.tok_table.shape[0], cpu_linear.packed(head.w_gate_up).data_ptr(),
+        head.w_down.shape[1], cpu_linear.packed(head.w_down).data_ptr(), cpu_linear.packed(head.w_lm).data_ptr(),
+        vocab, nxt.ctypes.data, logits.ctypes.data, torch.get_num_threads(), _linear_address(),
+    )  # fmt: skip
+    if rc == 2:
+        raise IndexError(f"MTP head: a token id past its table's {head.tok_table.shape[0]} rows")
+    _check(rc)
+    return nxt, logits
 
 
 def _check(rc: int) -> None:

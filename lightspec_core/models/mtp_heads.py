@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from threadpoolctl import ThreadpoolController
 from torch import nn
 
-from . import cpu_linear
+from . import cpu_layer, cpu_linear
 from .llama import MLP, RMSNorm, init_weights, linear
 
 
@@ -105,12 +105,11 @@ class FoldedMTPHead:
     - Gate and up projections are one matrix, and the output norm folds into this head's copy of
       the (draft-vocabulary) LM head.
 
-    A single row (a lone request, the common case at low load) has :meth:`one_row`, the same
-    arithmetic in numpy over the same memory: for one row numpy's elementwise ops cost about half
-    what torch's dispatch does, and a server's lone request pays its heads every step. More rows
-    stay in torch: row by row in numpy did not pay in the server (docs/benchmarks.md). Both paths
-    take their products from cpu_linear's kernel where it is had, so a row's drafts are the
-    same on either.
+    Where the native kernels are had (cpu_layer.py), a head is one native call for any number of
+    rows, and a row's drafts are the same bits alone or among others. Without them, a single row
+    (a lone request, the common case at low load) has :meth:`one_row`, the same arithmetic in numpy
+    over the same memory: for one row numpy's elementwise ops cost about half what torch's dispatch
+    does, and a server's lone request pays its heads every step; more rows stay in torch.
     """
 
     def __init__(self, head: MTPHead, embed: torch.Tensor, lm_weight: torch.Tensor):
@@ -130,6 +129,9 @@ class FoldedMTPHead:
 
     def __call__(self, state: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """state [B, H], tok [B] -> (next state [B, H], logits over the LM head's rows [B, V_draft])."""
+        if state.device.type == "cpu" and state.dtype == torch.float32 and cpu_layer.enabled():
+            nxt, logits = cpu_layer.mtp_head(self, state.detach().numpy(), tok.numpy())
+            return torch.from_numpy(nxt), torch.from_numpy(logits)
         shape = (self.h,)
         x = linear(F.rms_norm(state, shape, eps=self.eps), self.w_state) + self.tok_table.index_select(0, tok)
         gate, up = linear(F.rms_norm(x, shape, eps=self.eps), self.w_gate_up).chunk(2, dim=-1)
@@ -140,6 +142,9 @@ class FoldedMTPHead:
         """``__call__`` for one row in numpy: state fp32 [H], token id -> (next state [H], logits
         [V_draft]). SiLU as ``g * (1 + tanh(g / 2)) / 2``, the same function without ``exp``'s
         overflow."""
+        if cpu_layer.enabled():
+            nxt, logits = cpu_layer.mtp_head(self, state[None], np.array([tok], np.int64))
+            return nxt[0], logits[0]
         mv = cpu_linear.matvec
         x = mv(self.w_state, self._normed(state)) + self._tok_table_np[tok]
         gate_up = mv(self.w_gate_up, self._normed(x))

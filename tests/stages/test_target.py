@@ -232,13 +232,17 @@ def test_mtp_rows_with_different_depths_equal_each_row_alone(default_model):
     assert not res.draft_probs[:, :, outside].any()
 
 
-def test_folded_mtp_heads_equal_the_trained_modules(default_model):
+@pytest.mark.parametrize("layer", ["native", "torch"])  # cpu_layer's mtp_head, or torch and numpy
+def test_folded_mtp_heads_equal_the_trained_modules(default_model, layer, monkeypatch):
     """The serving form of each MTP head (norm weights folded into the next matrix, the token half
     of the input projection as a per-token table, fused gate/up) computes what the trained module
     computes: same next state, same logits over the draft vocabulary, same greedy token."""
     import torch.nn.functional as F
 
+    from lightspec_core.models import cpu_layer
     from lightspec_core.stages.mtp import MTPRunner
+
+    monkeypatch.setenv(cpu_layer.ENV_SWITCH, "on" if layer == "native" else "off")
 
     runner = MTPRunner(default_model / "target", default_model / "mtp")
     emb = runner.target.model.embed_tokens
@@ -258,15 +262,24 @@ def test_folded_mtp_heads_equal_the_trained_modules(default_model):
                 np.testing.assert_allclose(np_state, ref_state[r].numpy(), atol=1e-4, rtol=1e-4)
                 np.testing.assert_allclose(np_logits, ref_logits[r].numpy(), atol=1e-4, rtol=1e-4)
                 assert np_logits.dtype == np.float32 and int(np_logits.argmax()) == int(ref_logits[r].argmax())
+                if layer == "native":  # one native call for any number of rows: the same bits
+                    assert np.array_equal(np_logits, got_logits[r].numpy())
             state, tok = ref_state, runner.vocab_ids[ref_logits.argmax(-1)]
+    if layer == "native":
+        with pytest.raises(IndexError, match="token id past its table"):
+            folded.one_row(state[0].numpy(), runner.vocab_size)
 
 
-def test_lone_greedy_row_drafts_as_in_a_batch(default_model):
-    """A lone greedy request's heads run in numpy (one_row), a batch's in torch: each row gets the
+@pytest.mark.parametrize("layer", ["native", "torch"])
+def test_lone_greedy_row_drafts_as_in_a_batch(default_model, layer, monkeypatch):
+    """A lone greedy request's chain runs in numpy (one_row), a batch's in torch: each row gets the
     same drafts and confidences either way, with and without a confidence stop (the lone row's
     numpy chain computes the confidences and the stop itself)."""
+    from lightspec_core.models import cpu_layer
     from lightspec_core.stages.contract import MTPCall
     from lightspec_core.stages.mtp import MTPRunner
+
+    monkeypatch.setenv(cpu_layer.ENV_SWITCH, "on" if layer == "native" else "off")
 
     runner = MTPRunner(default_model / "target", default_model / "mtp")
     rng = np.random.default_rng(3)
