@@ -42,6 +42,10 @@ class ModelRunner:
 
     def execute(self, call: ModelCall) -> ModelResult:
         dev = self.device
+        tables = np.asarray(call.block_tables)
+        # the native kernels write and read the pool where the tables point, unchecked
+        if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= self.num_blocks):
+            raise ValueError(f"block_tables: block ids must be in 0..{self.num_blocks - 1} (this stage's KV pool)")
         batch = PagedBatch.build(  # index tensors built on the CPU, then moved to ``dev``
             torch.from_numpy(np.ascontiguousarray(call.input_ids, dtype=np.int64)).to(dev),
             torch.from_numpy(np.ascontiguousarray(call.positions, dtype=np.int64)),

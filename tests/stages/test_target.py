@@ -542,3 +542,23 @@ def test_decoding_over_the_index_budget_gathers_its_context_and_computes_the_sam
     assert runners[0].model._gather_bufs is None and runners[1].model._gather_bufs is not None
     np.testing.assert_allclose(out[0].logits, out[1].logits, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(out[0].top1_ids, out[1].top1_ids)
+
+
+@pytest.mark.parametrize("block", [-1, 8])
+def test_a_block_id_outside_the_pool_is_refused_before_anything_is_written(default_model, block):
+    """The native kernels write and read the pool where the block tables point: a stage called with
+    a wrong table (over BLS, by anyone) must not write outside its pool."""
+    runner = ModelRunner(default_model / "target", num_blocks=8, block_size=4)
+    before = runner.kv.clone()
+    call = ModelCall(
+        np.array([5, 6], np.int64),
+        np.array([4, 5], np.int64),
+        np.array([2], np.int32),
+        np.array([[0, block]], np.int32),
+        np.array([1], np.int64),
+        np.array([False]),
+        np.array([False]),
+    )
+    with pytest.raises(ValueError, match=r"block_tables: block ids must be in 0\.\.7"):
+        runner.execute(call)
+    assert torch.equal(runner.kv, before)
