@@ -205,6 +205,7 @@ class LlamaModel(nn.Module):
         plans = [self._plan(g, native, block_size, kv.dtype) for g in batch.groups]
         x = self.model.embed_tokens(batch.input_ids)  # [N, H]
         if self.model.layers[0].self_attn.fused is not None and cpu_layer.usable(x, kv):
+            # each layer's work around attention in two native calls (see cpu_layer.py)
             eps = self.config.rms_norm_eps
             for li, layer in enumerate(self.model.layers):
                 q = cpu_layer.pre(

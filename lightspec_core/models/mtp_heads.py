@@ -139,9 +139,9 @@ class FoldedMTPHead:
         return x, linear(F.rms_norm(x, shape, eps=self.eps), self.w_lm)
 
     def one_row(self, state: np.ndarray, tok: int) -> tuple[np.ndarray, np.ndarray]:
-        """``__call__`` for one row in numpy: state fp32 [H], token id -> (next state [H], logits
-        [V_draft]). SiLU as ``g * (1 + tanh(g / 2)) / 2``, the same function without ``exp``'s
-        overflow."""
+        """``__call__`` for one row, numpy in and out: state fp32 [H], token id -> (next state [H],
+        logits [V_draft]). The native head where it is had, else the same arithmetic in numpy, with
+        SiLU as ``g * (1 + tanh(g / 2)) / 2`` (the same function without ``exp``'s overflow)."""
         if cpu_layer.enabled():
             nxt, logits = cpu_layer.mtp_head(self, state[None], np.array([tok], np.int64))
             return nxt[0], logits[0]
