@@ -154,27 +154,15 @@ int lightspec_layer_pre(const float *x, int64_t n, int64_t h, const float *ln, f
     return 0;
 }
 
-/* x [n][h]: the residual stream, updated in place; attn [n][attn_dim]: attention's output.
- * Biases may be NULL. gate_up_packed: gate and up stacked ([2*inter][h]). Returns 0, or 1 when
- * out of memory. */
-int lightspec_layer_post(float *x, int64_t n, int64_t h, const float *attn, int64_t attn_dim,
-                         const float *o_packed, const float *o_bias, const float *ln, float eps,
-                         const float *gate_up_packed, const float *gate_up_bias, int64_t inter,
-                         const float *down_packed, const float *down_bias, int threads, linear_fn linear) {
-    float *t = malloc(sizeof(float) * n * h), *gate_up = malloc(sizeof(float) * n * 2 * inter),
-          *act = malloc(sizeof(float) * n * inter);
-    if (!t || !gate_up || !act) {
-        free(t);
+/* x += down(silu(gate) * up) for the normed rows t [n][h], gate and up stacked in gate_up_packed
+ * ([2*inter][h]); t is overwritten. Returns 0, or 1 when out of memory. */
+static int add_mlp(float *x, float *t, int64_t n, int64_t h, const float *gate_up_packed, const float *gate_up_bias,
+                   int64_t inter, const float *down_packed, const float *down_bias, int threads, linear_fn linear) {
+    float *gate_up = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
+    if (!gate_up || !act) {
         free(gate_up);
         free(act);
         return 1;
-    }
-    linear(attn, n, attn_dim, o_packed, h, o_bias, t, threads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
-    for (int64_t r = 0; r < n; r++) {
-        float *xr = x + r * h, *tr = t + r * h;
-        for (int64_t i = 0; i < h; i++) xr[i] += tr[i];
-        rms_norm(xr, h, ln, eps, tr);
     }
     linear(t, n, h, gate_up_packed, 2 * inter, gate_up_bias, gate_up, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
@@ -182,10 +170,30 @@ int lightspec_layer_post(float *x, int64_t n, int64_t h, const float *attn, int6
         silu_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, act + r * inter);
     linear(act, n, inter, down_packed, h, down_bias, t, threads);
     for (int64_t i = 0; i < n * h; i++) x[i] += t[i];
-    free(t);
     free(gate_up);
     free(act);
     return 0;
+}
+
+/* x [n][h]: the residual stream, updated in place; attn [n][attn_dim]: attention's output.
+ * Biases may be NULL. gate_up_packed: gate and up stacked ([2*inter][h]). Returns 0, or 1 when
+ * out of memory. */
+int lightspec_layer_post(float *x, int64_t n, int64_t h, const float *attn, int64_t attn_dim,
+                         const float *o_packed, const float *o_bias, const float *ln, float eps,
+                         const float *gate_up_packed, const float *gate_up_bias, int64_t inter,
+                         const float *down_packed, const float *down_bias, int threads, linear_fn linear) {
+    float *t = malloc(sizeof(float) * n * h);
+    if (!t) return 1;
+    linear(attn, n, attn_dim, o_packed, h, o_bias, t, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < n; r++) {
+        float *xr = x + r * h, *tr = t + r * h;
+        for (int64_t i = 0; i < h; i++) xr[i] += tr[i];
+        rms_norm(xr, h, ln, eps, tr);
+    }
+    const int rc = add_mlp(x, t, n, h, gate_up_packed, gate_up_bias, inter, down_packed, down_bias, threads, linear);
+    free(t);
+    return rc;
 }
 
 /* One folded MTP head (mtp_heads.FoldedMTPHead: norm weights folded into the products) for n rows:
@@ -199,14 +207,8 @@ int lightspec_mtp_head(const float *state, const int64_t *tokens, int64_t n, int
                        linear_fn linear) {
     for (int64_t r = 0; r < n; r++)
         if (tokens[r] < 0 || tokens[r] >= table_rows) return 2;
-    float *t = malloc(sizeof(float) * n * h), *gate_up = malloc(sizeof(float) * n * 2 * inter),
-          *act = malloc(sizeof(float) * n * inter);
-    if (!t || !gate_up || !act) {
-        free(t);
-        free(gate_up);
-        free(act);
-        return 1;
-    }
+    float *t = malloc(sizeof(float) * n * h);
+    if (!t) return 1;
     for (int64_t r = 0; r < n; r++) rms_norm(state + r * h, h, NULL, eps, t + r * h);
     linear(t, n, h, state_packed, h, NULL, next_state, threads);
     for (int64_t r = 0; r < n; r++) {
@@ -215,18 +217,11 @@ int lightspec_mtp_head(const float *state, const int64_t *tokens, int64_t n, int
         for (int64_t i = 0; i < h; i++) x[i] += e[i];
         rms_norm(x, h, NULL, eps, t + r * h);
     }
-    linear(t, n, h, gate_up_packed, 2 * inter, NULL, gate_up, threads);
-    for (int64_t r = 0; r < n; r++)
-        silu_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, act + r * inter);
-    linear(act, n, inter, down_packed, h, NULL, t, threads);
-    for (int64_t r = 0; r < n; r++) {
-        float *x = next_state + r * h;
-        for (int64_t i = 0; i < h; i++) x[i] += t[r * h + i];
-        rms_norm(x, h, NULL, eps, t + r * h);
+    const int rc = add_mlp(next_state, t, n, h, gate_up_packed, NULL, inter, down_packed, NULL, threads, linear);
+    if (rc == 0) {
+        for (int64_t r = 0; r < n; r++) rms_norm(next_state + r * h, h, NULL, eps, t + r * h);
+        linear(t, n, h, lm_packed, vocab, NULL, logits, threads);
     }
-    linear(t, n, h, lm_packed, vocab, NULL, logits, threads);
     free(t);
-    free(gate_up);
-    free(act);
-    return 0;
+    return rc;
 }
