@@ -28,15 +28,8 @@ def _ids(value) -> list[int]:
 
 
 def triton_body(req: Request) -> dict:
-    """The ``generate_stream`` request for ``req`` (the same inputs as the gRPC client's)."""
-    return {
-        "text_input": req.prompt.text,
-        "max_tokens": req.max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-        "exclude_input_in_output": True,
-        "temperature": req.temperature,
-    }
+    """The ``generate_stream`` request for ``req``: the gRPC client's tensors as JSON fields."""
+    return req.tensors()
 
 
 def triton_event(event: dict) -> tuple[list[int], int | None, int | None]:

@@ -1,116 +1,185 @@
-"""``lightspec_backend.bench.client``: what a stream records, and the closed and open loops."""
+"""``lightspec_backend.bench.client``: the gRPC request it sends, what a stream records, and the
+closed and open loops."""
 
 from __future__ import annotations
 
-import queue
+import asyncio
+import struct
 import time
-from types import SimpleNamespace
 from typing import ClassVar
 
+import grpc
 import numpy as np
 import pytest
 from lightspec_backend.bench import client
-from lightspec_backend.bench.client import Record, Request, Stream, observe, run_closed_loop, run_open_loop
+from lightspec_backend.bench.client import (
+    STREAM_OUTPUTS,
+    GrpcClient,
+    Record,
+    Request,
+    observe,
+    run_closed_loop,
+    run_open_loop,
+    stream_request,
+)
 from lightspec_backend.bench.workload import Prompt
+from tritonclient.grpc import service_pb2
 
 
-class FakeResult:
-    """A gRPC stream result: ``ids`` streamed tokens (None: the empty final response)."""
-
-    def __init__(self, ids: list[int] | None, drafted: int = 0, accepted: int = 0, final: bool = False):
-        self.ids, self.drafted, self.accepted, self.final = ids, drafted, accepted, final
-
-    def get_response(self):
-        params = {"triton_final_response": SimpleNamespace(bool_param=True)} if self.final else {}
-        return SimpleNamespace(outputs=[] if self.ids is None else ["output_ids"], parameters=params)
-
-    def as_numpy(self, name: str):
-        values = {
-            "output_ids": self.ids,
-            "total_draft_tokens": [self.drafted],
-            "total_accepted_draft_tokens": [self.accepted],
-        }
-        return np.array(values[name])
+def response(ids: list[int] | None, drafted: int = 0, accepted: int = 0, final: bool = False):
+    """A streamed ``ModelInferResponse`` as the orchestrator sends it (None: the empty final one)."""
+    msg = service_pb2.ModelInferResponse(model_name="m")
+    if ids is not None:
+        for name, dtype, values in (("output_ids", "INT64", np.array(ids, np.int64)),
+                                    ("total_draft_tokens", "INT32", np.array([drafted], np.int32)),
+                                    ("total_accepted_draft_tokens", "INT32", np.array([accepted], np.int32))):  # fmt: skip
+            msg.outputs.add(name=name, datatype=dtype, shape=values.shape)
+            msg.raw_output_contents.append(values.tobytes())
+    if final:
+        msg.parameters["triton_final_response"].bool_param = True
+    return msg
 
 
 def test_observe_counts_tokens_and_steps_and_keeps_the_last_draft_totals():
     rec = Record("code", t_send=0.0)
-    assert not observe(rec, 0.1, FakeResult([5], drafted=0))
-    assert not observe(rec, 0.2, FakeResult([6, 7, 8], drafted=4, accepted=2))
-    assert not observe(rec, 0.25, FakeResult([], drafted=4, accepted=2))  # no tokens: not a step
-    assert observe(rec, 0.3, FakeResult(None, final=True))
+    assert not observe(rec, 0.1, response([5], drafted=0))
+    assert not observe(rec, 0.2, response([6, 7, 8], drafted=4, accepted=2))
+    assert not observe(rec, 0.25, response([], drafted=4, accepted=2))  # no tokens: not a step
+    assert observe(rec, 0.3, response(None, final=True))
     assert (rec.t_first, rec.t_last, rec.t_end) == (0.1, 0.2, 0.3)
-    assert (rec.tokens, rec.responses, rec.drafted, rec.accepted) == (4, 2, 4, 2)
+    assert (rec.tokens, rec.responses, rec.drafted, rec.accepted, rec.ids) == (4, 2, 4, 2, [5, 6, 7, 8])
 
 
-class FakeGrpcClient:
-    """Answers each request with the scripted (delay, result, error) items."""
+def test_the_stream_request_carries_the_tensors_the_outputs_and_asks_for_the_final_response():
+    msg = stream_request("lightspec_none", Request(Prompt("def f():"), max_tokens=16, temperature=0.5))
+    assert msg.model_name == "lightspec_none"
+    tensors = {t.name: (t.datatype, list(t.shape), raw) for t, raw in zip(msg.inputs, msg.raw_input_contents)}
+    assert set(tensors) == {
+        "text_input",
+        "max_tokens",
+        "stream",
+        "ignore_eos",
+        "exclude_input_in_output",
+        "temperature",
+    }
+    dtype, shape, raw = tensors["text_input"]
+    assert (dtype, shape) == ("BYTES", [1]) and raw == struct.pack("<I", 8) + b"def f():"  # length-prefixed
+    assert tensors["max_tokens"] == ("INT32", [1], np.int32(16).tobytes())
+    assert tensors["temperature"] == ("FP32", [1], np.float32(0.5).tobytes())
+    assert tensors["ignore_eos"][2] == b"\x01" and tensors["stream"][2] == b"\x01"
+    assert [o.name for o in msg.outputs] == list(STREAM_OUTPUTS)
+    assert msg.parameters["triton_enable_empty_final_response"].bool_param
 
-    def __init__(self, q: queue.Queue, script: list[tuple]):
-        self.q, self.script = q, script
 
-    def async_stream_infer(self, model, inputs, outputs=None, enable_empty_final_response=False):
-        assert enable_empty_final_response and {i.name() for i in inputs} >= {"text_input", "max_tokens", "stream"}
-        for result, error in self.script:
-            self.q.put((time.perf_counter(), result, error))
+class FakeCall:
+    """A ``ModelStreamInfer`` call that yields the scripted messages (an exception is raised, a
+    number is a pause in seconds)."""
+
+    def __init__(self, script: list):
+        self.script, self.cancelled = script, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for item in self.script:
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, float):
+                await asyncio.sleep(item)
+                continue
+            yield item
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
 
 
-def _stream(script: list[tuple], timeout_s: float = 5.0) -> Stream:
-    s = Stream.__new__(Stream)  # no server: the fake client feeds the stream's queue
-    s.timeout_s, s._q, s.outputs = timeout_s, queue.Queue(), []
-    s.client = FakeGrpcClient(s._q, script)
-    return s
+class FakeStub:
+    def __init__(self, script: list):
+        self.script, self.calls, self.requests = script, [], []
+
+    def ModelStreamInfer(self, requests):  # the gRPC method's name
+        self.requests += list(requests)
+        self.calls.append(FakeCall(self.script))
+        return self.calls[-1]
 
 
-def test_stream_records_a_request_an_error_and_a_timeout():
+def _run(script: list, timeout_s: float = 5.0) -> tuple[Record, FakeStub]:
+    stub = FakeStub(script)
     req = Request(Prompt("def f():", "shuffled"), max_tokens=4)
-    rec = _stream([(FakeResult([1, 2]), None), (FakeResult(None, final=True), None)]).run("m", req)
-    assert (rec.kind, rec.tokens, rec.error) == ("shuffled", 2, None) and rec.t_end >= rec.t_first >= rec.t_send
-    assert _stream([(FakeResult([1]), None), (None, "boom")]).run("m", req).error == "boom"
-    assert _stream([], timeout_s=0.01).run("m", req).error == "no response for 0s"
+    return asyncio.run(GrpcClient("unused", timeout_s, stub=stub).run("m", req)), stub
 
 
-class FakeStream:
-    """Answers at once with ``max_tokens`` tokens; remembers which requests it ran."""
+def _stream_msg(resp=None, error: str = ""):
+    return service_pb2.ModelStreamInferResponse(error_message=error, infer_response=resp)
 
-    made: ClassVar[list[FakeStream]] = []
+
+def test_a_request_runs_to_its_final_response_and_its_stream_is_then_let_go():
+    rec, stub = _run([_stream_msg(response([1, 2])), _stream_msg(response([3], 1, 1)),
+                      _stream_msg(response(None, final=True)), _stream_msg(response([9]))])  # fmt: skip
+    assert (rec.kind, rec.tokens, rec.responses, rec.ids, rec.error) == ("shuffled", 3, 2, [1, 2, 3], None)
+    assert rec.t_end >= rec.t_last >= rec.t_first >= rec.t_send
+    assert stub.requests[0].model_name == "m" and stub.calls[0].cancelled
+
+
+def test_errors_an_early_end_and_a_silent_server_end_the_request_with_a_reason():
+    assert _run([_stream_msg(response([1])), _stream_msg(error="boom")])[0].error == "boom"
+    assert _run([_stream_msg(response([1]))])[0].error == "the stream ended before the final response"
+    failed = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+    assert _run([_stream_msg(response([1])), failed])[0].error == "gone"
+    rec, stub = _run([_stream_msg(response([1])), 0.02, _stream_msg(response([2])), 60.0], timeout_s=0.1)
+    assert (rec.error, rec.tokens) == ("no response for 0s", 2) and stub.calls[0].cancelled  # 0.02 s: in time
+
+
+class FakeClient:
+    """Answers each request after a short pause with ``max_tokens`` tokens; records how many
+    requests were in flight at once."""
+
+    made: ClassVar[list[FakeClient]] = []
 
     def __init__(self, url: str, timeout_s: float):
         self.ran: list[str] = []
+        self.in_flight = self.most = 0
         self.closed = False
-        FakeStream.made.append(self)
+        FakeClient.made.append(self)
 
-    def run(self, model: str, req: Request, t_send: float | None = None) -> Record:
-        self.ran.append(req.prompt.text)
+    async def run(self, model: str, req: Request, t_send: float | None = None) -> Record:
         t = time.perf_counter()
-        return Record(req.prompt.kind, t if t_send is None else t_send, t, t, t, tokens=req.max_tokens, responses=1)
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await asyncio.sleep(0.005)
+        self.in_flight -= 1
+        self.ran.append(req.prompt.text)
+        return Record(req.prompt.kind, t if t_send is None else t_send, t, t, time.perf_counter(),
+                      tokens=req.max_tokens, responses=1)  # fmt: skip
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.closed = True
 
 
 @pytest.fixture
-def fake_streams(monkeypatch):
-    FakeStream.made = []
-    monkeypatch.setattr(client, "Stream", FakeStream)
-    return FakeStream.made
+def fake_clients(monkeypatch):
+    FakeClient.made = []
+    monkeypatch.setattr(client, "GrpcClient", FakeClient)
+    return FakeClient.made
 
 
 def _requests(n: int) -> list[Request]:
     return [Request(Prompt(f"p{i}"), max_tokens=i + 1) for i in range(n)]
 
 
-def test_closed_loop_runs_every_request_once_on_c_streams_in_request_order(fake_streams):
+def test_closed_loop_runs_every_request_once_c_at_a_time_in_request_order(fake_clients):
     records, duration = run_closed_loop("url", "m", _requests(7), concurrency=3)
     assert [r.tokens for r in records] == list(range(1, 8))
-    assert len(fake_streams) == 3 and all(s.closed for s in fake_streams)
-    assert sorted(t for s in fake_streams for t in s.ran) == sorted(f"p{i}" for i in range(7))
-    assert duration >= 0
+    (c,) = fake_clients
+    assert sorted(c.ran) == sorted(f"p{i}" for i in range(7)) and c.most == 3 and c.closed
+    assert duration >= 0.005 * 3  # three rounds of at most three
     run_closed_loop("url", "m", _requests(2), concurrency=8)
-    assert len(fake_streams) == 3 + 2  # never more streams than requests
+    assert fake_clients[1].most == 2
 
 
-def test_open_loop_sends_at_poisson_arrivals_and_counts_latency_from_them(fake_streams):
+def test_open_loop_sends_at_poisson_arrivals_and_counts_latency_from_them(fake_clients):
     t0 = time.perf_counter()
     records, duration = run_open_loop("url", "m", _requests(5), rate=500.0, seed=1)
     arrivals = np.cumsum(np.random.default_rng(1).exponential(1 / 500.0, 5))
@@ -118,4 +187,4 @@ def test_open_loop_sends_at_poisson_arrivals_and_counts_latency_from_them(fake_s
     sends = np.array([r.t_send for r in records])
     assert np.all(np.diff(sends) > 0) and sends[0] >= t0  # the scheduled arrival, not the actual send
     assert np.diff(sends) == pytest.approx(np.diff(arrivals))
-    assert all(s.closed for s in fake_streams) and duration > 0
+    assert fake_clients[0].most > 1 and fake_clients[0].closed and duration > 0  # nothing caps the requests in flight

@@ -8,7 +8,7 @@ import threading
 from typing import ClassVar
 
 import pytest
-from lightspec_backend.bench.client import Request, Stream, run_closed_loop
+from lightspec_backend.bench.client import Request, run_closed_loop
 from lightspec_backend.bench.sse import (
     SSEStream,
     events,
@@ -132,9 +132,7 @@ def test_generate_stream_gives_the_same_tokens_as_the_grpc_stream(smoke_model, t
         switcher.activate("lightspec_none")
         req = Request(Prompt("def add(a, b):\n"), max_tokens=8)
         http_rec = SSEStream(server.http_url, 60).run("lightspec_none", req)
-        grpc_stream = Stream(server.grpc_url, 60)
-        grpc_rec = grpc_stream.run("lightspec_none", req)
-        grpc_stream.close()
+        (grpc_rec,), _ = run_closed_loop(server.grpc_url, "lightspec_none", [req], 1, 60)
         switcher.close()
     assert http_rec.error is None and http_rec.tokens == 8 and http_rec.responses >= 1
     assert http_rec.ids == grpc_rec.ids and len(grpc_rec.ids) == 8
