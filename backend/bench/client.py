@@ -140,8 +140,11 @@ class GrpcClient:
                 t = time.perf_counter()
                 if msg.error_message:
                     rec.error = msg.error_message
-                    break
-                if observe(rec, t, msg.infer_response):
+                if rec.error or observe(rec, t, msg.infer_response):
+                    # the request side is closed, so the server ends the stream now. Waiting for
+                    # that instead of cancelling matters: tritonserver 2.51 keeps a model that saw
+                    # a stream cancelled after its last response from ever unloading
+                    await call.code()
                     break
                 last = loop.time()
             else:
@@ -154,7 +157,8 @@ class GrpcClient:
             rec.error = e.details() or str(e.code())
         finally:
             timer.cancel()
-            call.cancel()  # a no-op once the server closed the stream
+            if not call.done():
+                call.cancel()
         rec.t_end = rec.t_end if rec.t_end is not None else time.perf_counter()
         return rec
 

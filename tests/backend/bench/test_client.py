@@ -76,7 +76,8 @@ class FakeCall:
     number is a pause in seconds)."""
 
     def __init__(self, script: list):
-        self.script, self.cancelled = script, False
+        self.script, self.cancelled, self.finished = script, False, False
+        self.sent = 0
 
     def __aiter__(self):
         return self._gen()
@@ -88,11 +89,22 @@ class FakeCall:
             if isinstance(item, float):
                 await asyncio.sleep(item)
                 continue
+            self.sent += 1
             yield item
+        self.finished = True
+
+    async def code(self):
+        """The server ends the stream after the last response (the client sent its one request)."""
+        self.sent = len(self.script)
+        self.finished = True
+        return grpc.StatusCode.OK
+
+    def done(self) -> bool:
+        return self.finished
 
     def cancel(self) -> bool:
-        self.cancelled = True
-        return True
+        self.cancelled = not self.finished
+        return self.cancelled
 
 
 class FakeStub:
@@ -115,16 +127,18 @@ def _stream_msg(resp=None, error: str = ""):
     return service_pb2.ModelStreamInferResponse(error_message=error, infer_response=resp)
 
 
-def test_a_request_runs_to_its_final_response_and_its_stream_is_then_let_go():
+def test_a_request_runs_to_its_final_response_and_waits_for_the_stream_to_end():
     rec, stub = _run([_stream_msg(response([1, 2])), _stream_msg(response([3], 1, 1)),
                       _stream_msg(response(None, final=True)), _stream_msg(response([9]))])  # fmt: skip
     assert (rec.kind, rec.tokens, rec.responses, rec.ids, rec.error) == ("shuffled", 3, 2, [1, 2, 3], None)
     assert rec.t_end >= rec.t_last >= rec.t_first >= rec.t_send
-    assert stub.requests[0].model_name == "m" and stub.calls[0].cancelled
+    assert stub.requests[0].model_name == "m"
+    assert stub.calls[0].finished and not stub.calls[0].cancelled  # ended by the server, never cancelled
 
 
 def test_errors_an_early_end_and_a_silent_server_end_the_request_with_a_reason():
-    assert _run([_stream_msg(response([1])), _stream_msg(error="boom")])[0].error == "boom"
+    rec, stub = _run([_stream_msg(response([1])), _stream_msg(error="boom")])
+    assert rec.error == "boom" and not stub.calls[0].cancelled
     assert _run([_stream_msg(response([1]))])[0].error == "the stream ended before the final response"
     failed = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
     assert _run([_stream_msg(response([1])), failed])[0].error == "gone"
