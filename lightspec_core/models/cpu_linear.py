@@ -32,16 +32,19 @@ _PANELS = "_lightspec_panels"  # the attribute of a weight tensor that keeps its
 
 @functools.cache
 def kernel():
-    """The compiled library's (pack, linear, packed_size) ctypes functions, or None where it cannot be had."""
+    """The compiled library's (pack, linear, packed_size, argmax_rows) ctypes functions, or None where
+    it cannot be had."""
     lib = native.library(SOURCE, flags=native.STRICT_FLAGS)
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     pack, linear, size = lib.lightspec_pack, lib.lightspec_linear, lib.lightspec_packed_size
+    argmax = lib.lightspec_argmax_rows
     pack.argtypes, pack.restype = [p, i64, i64, p], None
     linear.argtypes, linear.restype = [p, i64, i64, p, i64, p, p, ctypes.c_int], None
     size.argtypes, size.restype = [i64, i64], i64
-    return pack, linear, size
+    argmax.argtypes, argmax.restype = [p, i64, i64, p, ctypes.c_int], None
+    return pack, linear, size, argmax
 
 
 def enabled() -> bool:
@@ -74,7 +77,7 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     kept = getattr(weight, _PANELS, None)
     if kept is not None and kept[0] == _version(weight):
         return kept[1]
-    pack, _, size = kernel()
+    pack, _, size, _ = kernel()
     n, k = weight.shape
     w = weight.detach().contiguous()
     panels = torch.empty(size(n, k), dtype=torch.float32)
@@ -111,3 +114,15 @@ def matvec(weight: torch.Tensor, x: np.ndarray) -> np.ndarray:
     kernel()[1](x.ctypes.data, 1, x.shape[0], packed(weight).data_ptr(), weight.shape[0], None, y.ctypes.data,
                 torch.get_num_threads())  # fmt: skip
     return y
+
+
+def top1(logits: torch.Tensor) -> np.ndarray:
+    """int64 [M]: each row's index of its first largest value (``logits.max(-1).indices``) for logits
+    [M, V]; the kernel for float32 on a CPU where it is enabled, else torch."""
+    native_ok = logits.dim() == 2 and logits.shape[1] and logits.device.type == "cpu" and logits.dtype == torch.float32
+    if not native_ok or not enabled():
+        return logits.max(-1).indices.cpu().numpy()
+    logits = logits.contiguous()
+    out = np.empty(logits.shape[0], np.int64)
+    kernel()[3](logits.data_ptr(), logits.shape[0], logits.shape[1], out.ctypes.data, torch.get_num_threads())
+    return out

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..models import cpu_linear
 from ..models.llama import LlamaModel
 from ..models.mtp_heads import single_thread_blas
 from ..models.paged import PagedBatch
@@ -62,8 +63,7 @@ class ModelRunner:
             hidden = self.model.forward_paged(batch, self.kv)
             logits = self.model.logits(hidden)
         h = self.config.hidden_size
-        # max's indices are argmax's (the first maximum) at a fraction of its time over [M, V] on a CPU
-        top1 = logits.max(-1).indices.cpu().numpy()
+        top1 = cpu_linear.top1(logits)
         result = ModelResult(
             top1_ids=top1,
             logits=_marked_rows(logits, call.return_logits, "return_logits").float().cpu().numpy(),

@@ -110,3 +110,21 @@ def test_the_models_linear_equals_torchs_on_every_path_and_autograd_keeps_torchs
     assert got.shape == (rows, 96) and got.dtype == torch.float32
     w.requires_grad_(True)
     assert linear(x, w, b).grad_fn is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, vocab", [(1, 4096), (3, 17), (320, 4096), (40, 1)])
+def test_top1_is_torchs_first_maximum_with_ties_nan_and_infinities(rows, vocab, monkeypatch):
+    gen = torch.Generator().manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, generator=gen).round(decimals=1)  # many ties
+    if rows > 2 and vocab > 5:
+        logits[0, [2, vocab - 1]] = 50.0  # a tie at the top: the first one
+        logits[1, 4] = float("nan")  # NaN is torch's largest
+        logits[1, 1] = float("inf")
+        logits[2] = float("-inf")  # every value the same
+    want = logits.max(-1).indices.numpy()
+    got = cpu_linear.top1(logits)
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert np.array_equal(cpu_linear.top1(logits[:, : max(1, vocab // 2)]), logits[:, : max(1, vocab // 2)].max(-1).indices.numpy())  # a view
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "off")
+    assert np.array_equal(cpu_linear.top1(logits), want)
