@@ -1,6 +1,6 @@
 """Step cost of the target runner: B requests x q new tokens each (decode q=1, verify q=1+k).
 
-python tools/bench_runner.py [--model-dir DIR] [--batches 1 8 32 64] [--tokens 1 5] [--threads N]
+python tools/bench_runner.py [--model-dir DIR] [--batches 1 8 32 64] [--tokens 1 5] [--threads N] [--scatter]
 
 Each request has ``--context`` tokens already in the paged KV pool; the step feeds q tokens per
 request and returns outputs at all of them (as a verification step does). Prints the median of
@@ -21,9 +21,14 @@ from lightspec_core.stages.memory import keep_freed_memory
 from lightspec_core.stages.target import ModelRunner
 
 
-def step_call(batch: int, q: int, context: int, block_size: int, vocab: int, rng) -> ModelCall:
+def step_call(batch: int, q: int, context: int, block_size: int, vocab: int, rng, pool_blocks: int = 0) -> ModelCall:
+    """``pool_blocks``: draw the requests' blocks at random from a pool of that many (as a server's
+    pool is after requests came and went); 0: consecutive blocks."""
     per = -(-(context + q) // block_size)
-    tables = np.arange(batch * per, dtype=np.int32).reshape(batch, per)
+    if pool_blocks:
+        tables = rng.permutation(pool_blocks)[: batch * per].astype(np.int32).reshape(batch, per)
+    else:
+        tables = np.arange(batch * per, dtype=np.int32).reshape(batch, per)
     return ModelCall(
         input_ids=rng.integers(3, vocab, batch * q).astype(np.int64),
         positions=np.tile(np.arange(context, context + q), batch).astype(np.int64),
@@ -35,16 +40,15 @@ def step_call(batch: int, q: int, context: int, block_size: int, vocab: int, rng
     )
 
 
-def measure(model_dir: str, batches, tokens, context=128, repeats=15, block_size=16) -> dict:
+def measure(model_dir: str, batches, tokens, context=128, repeats=15, block_size=16, scatter=False) -> dict:
     max_b = max(batches)
-    runner = ModelRunner(
-        model_dir, num_blocks=max_b * (-(-(context + max(tokens)) // block_size)), block_size=block_size
-    )
+    num_blocks = max_b * (-(-(context + max(tokens)) // block_size))
+    runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=block_size)
     rng = np.random.default_rng(0)
     out = {}
     for b in batches:
         for q in tokens:
-            call = step_call(b, q, context, block_size, runner.config.vocab_size, rng)
+            call = step_call(b, q, context, block_size, runner.config.vocab_size, rng, num_blocks if scatter else 0)
             runner.execute(call)  # warm-up
             times = []
             for _ in range(repeats):
@@ -63,13 +67,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--scatter", action="store_true", help="block tables drawn at random from the pool (a served pool)")
     a = ap.parse_args(argv)
     keep_freed_memory()  # as the server's stage processes do
     threads = torch.get_num_threads()
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
-        res = measure(a.model_dir, a.batches, a.tokens, a.context, a.repeats)
+        res = measure(a.model_dir, a.batches, a.tokens, a.context, a.repeats, scatter=a.scatter)
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their setting
     q0 = a.tokens[0]

@@ -14,6 +14,9 @@ def test_step_call_feeds_q_tokens_per_request_after_the_context():
     assert call.positions.tolist() == [20, 21, 22] * 2
     assert call.block_tables.shape == (2, 2) and len(set(call.block_tables.ravel())) == 4  # no shared blocks
     assert call.sample_indices.tolist() == list(range(6))  # outputs at every token, as verification needs
+    scattered = bench_runner.step_call(2, 3, 20, 16, 50, np.random.default_rng(0), pool_blocks=40)
+    blocks = scattered.block_tables.ravel()
+    assert len(set(blocks)) == 4 and blocks.max() < 40 and blocks.tolist() != [0, 1, 2, 3]
 
 
 def test_steps_are_timed_per_batch_and_tokens(smoke_model, capsys):
