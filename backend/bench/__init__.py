@@ -7,9 +7,9 @@ control and exactly one orchestrator is loaded at a time: the target stage's KV 
 block ids that each orchestrator allocates on its own, so two orchestrators must never use it at
 once, while one after the other is safe (a sequence only reads KV slots its own steps wrote).
 
-Clients are tritonclient gRPC streams. Closed loop (``--concurrency``): C workers, each with its own
-stream, send their next request when the previous one finished. Open loop (``--rate``): Poisson
-arrivals; latency counts from the scheduled arrival. Server-side numbers (acceptance length, draft
+The client speaks gRPC, a stream per request, every stream on one asyncio channel. Closed loop
+(``--concurrency``): C workers each send their next request when the previous one finished. Open
+loop (``--rate``): Poisson arrivals; latency counts from the scheduled arrival. Server-side numbers (acceptance length, draft
 tokens per step, scheduler decision time) are differences of the ``lightspec:`` metrics scraped
 before and after each run. See docs/benchmarks.md.
 
