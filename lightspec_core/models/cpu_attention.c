@@ -25,8 +25,8 @@
 /* Issues prefetches into L2 for ``bytes`` starting at ``p``. A request's tiles are scattered over the
  * pool (block tables), so without them every tile starts with misses the hardware prefetcher does
  * not see coming. The window runs PREFETCH_BYTES ahead, keys and values together, and lands in L2,
- * not L1: one block ahead into L1 left a thread at about 6 GB/s on scattered tables (its line fill
- * buffers full); this reads 64 requests x 300 tokens of keys and values 1.4-1.5x as fast (18-35 %
+ * not L1: one block ahead into L1 leaves a thread at about 6 GB/s on scattered tables (its line fill
+ * buffers full); this reads 64 requests x 300 tokens of keys and values 1.2-1.5x as fast (18-35 %
  * less time a layer, one or two threads, decode or 5-token verification). */
 #define PREFETCH_BYTES 131072
 static inline void prefetch(const float *p, int64_t bytes) {
