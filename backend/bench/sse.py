@@ -2,8 +2,8 @@
 ``/v1/completions``. One client for both servers, so a ratio between them compares servers, not
 client libraries.
 
-Each stream is one persistent HTTP/1.1 connection running one request at a time, as the gRPC
-:class:`~.client.Stream` does; :func:`~.client.run_closed_loop` drives either with ``make_stream``.
+Each stream is one persistent HTTP/1.1 connection running one request at a time, on a thread of
+its own: :func:`~.client.run_closed_loop` drives them with ``make_stream``.
 An event is a ``data: {json}`` line; the tokens it carries are counted from its token ids (one event
 may carry several tokens when a speculation step accepted several).
 """
