@@ -96,7 +96,7 @@ class LLMEngine:
             policy = DynamicPolicy(self.cost, floors=cfg.confidence_floors)
         else:
             policy = StaticPolicy(cfg.max_draft_tokens if cfg.static_k is None else cfg.static_k)
-        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size)
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, policy, self.acceptance, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    k, cfg.kv_high_water, cfg.speculative)
         self._plans_with_cost = isinstance(policy, DynamicPolicy)
@@ -267,6 +267,8 @@ class LLMEngine:
                 if seq.aborted and seq.status is not Status.FINISHED:
                     deltas.append(self._finish(seq, "cancelled"))
                 continue
+            if seq.num_steps == 0:  # its prompt's K/V is computed up to this chunk's end: the prefix cache's
+                self.blocks.cache_prompt(seq.request_id, seq.token_ids, seq.prompt_len, seq.num_computed + it.num_new)
             if not rows:  # a prompt chunk short of the prompt's end
                 seq.num_computed += it.num_new
                 self.blocks.set_used(seq.request_id, seq.num_computed)
@@ -389,6 +391,8 @@ class LLMEngine:
         g["kv_cache_fragmentation_ratio"] = self.blocks.fragmentation()
         g["stage_inflight_calls"] = len(self._inflight)
         self.stats.counters["num_preemptions_total"] = self.scheduler.num_preemptions
+        self.stats.counters["prefix_cache_queries_total"] = self.scheduler.prefix_queries
+        self.stats.counters["prefix_cache_hits_total"] = self.scheduler.prefix_hits
         if self._plans_with_cost:  # what the dynamic policy believes a step costs, at today's batch
             cost = self.cost
             g["policy_draft_cost_seconds"] = cost.per_slot(max(len(self.scheduler.running), 1))

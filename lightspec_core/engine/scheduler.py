@@ -24,7 +24,7 @@ import numpy as np
 
 from ..spec.acceptance import ALPHA_STRENGTH, AcceptanceStats, request_alphas
 from ..spec.policy import SMALL_SLOTS, PolicyBatch
-from .block_manager import BlockManager, blocks_for
+from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
 EXPLORE_EVERY = 16  # every 16th step of a request ignores the policy's gain floor
@@ -68,6 +68,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens of admitted requests (vLLM: prefix_cache_queries)
+        self.prefix_hits = 0  # of which the prefix cache held (vLLM: prefix_cache_hits)
 
     # ---- queues --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -174,13 +176,20 @@ class Scheduler:
         reserve = int((1.0 - self.kv_high_water) * self.blocks.num_blocks)
         while self.waiting and budget > 0 and len(plan.items) < max_seqs and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_computed == 0:  # what the prefix cache holds of its prompt is computed already
+                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.token_ids, seq.prompt_len)
             n, samples = self._feed(seq, budget)
-            need = blocks_for(n, self.blocks.block_size)
+            need = self.blocks.extra_blocks_needed(seq.request_id, seq.num_computed + n)
             # keep a reserve for running requests to grow into, unless nothing else is running
-            if self.running and self.blocks.num_free - need < reserve:
+            if (self.running and self.blocks.num_free - need < reserve) or not self.blocks.ensure(
+                seq.request_id, seq.num_computed + n
+            ):
+                self.blocks.free(seq.request_id)  # matched blocks go back until it is admitted
+                seq.num_computed = 0
                 break
-            if not self.blocks.ensure(seq.request_id, n):
-                break
+            if not seq.num_steps:  # a first admission, not a recompute after preemption
+                self.prefix_queries += seq.prompt_len
+                self.prefix_hits += seq.num_computed
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)

@@ -25,6 +25,8 @@ class RuntimeStats:
             "num_preemptions_total": 0,
             "generation_tokens_total": 0,
             "prompt_tokens_total": 0,
+            "prefix_cache_queries_total": 0,  # prompt tokens of admitted requests
+            "prefix_cache_hits_total": 0,  # of which the prefix cache held
             "engine_steps_total": 0,
             "request_failure_total": 0,  # engine errors; rejected requests are added in snapshot()
         }

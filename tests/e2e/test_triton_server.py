@@ -415,6 +415,8 @@ def test_lightspec_metrics_are_exported(server):
         "kv_cache_fragmentation_ratio",
         "generation_tokens_total",
         "prompt_tokens_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
         "num_preemptions_total",
         "mean_acceptance_length",
     ):

@@ -58,6 +58,38 @@ def test_greedy_speculation_is_lossless(exactness_setup, method, policy, depth, 
         assert sum(o.num_accepted_tokens for o in outs) > 0, "no draft was ever accepted: the test proves nothing"
 
 
+@pytest.mark.parametrize("method", ["none", "mtp", "draft", "ngram"])
+def test_prefix_cache_skips_shared_prefill_and_keeps_outputs_exact(exactness_setup, method):
+    """Requests that share a prompt prefix with earlier ones compute only the rest: the engine counts
+    the prompt tokens it found (vLLM's prefix_cache_hits) and every output equals the one computed
+    without the cache, speculation included (drafts are verified against K/V the cache supplied)."""
+    root, prompts, params, ref = exactness_setup
+    spec = {"speculation": method, "policy": "off" if method == "none" else "dynamic"}
+    shared = prompts[7]  # the longest held-out prompt: several full blocks
+    followers = [shared + "\n", shared[: len(shared) // 2]]
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), block_size=8, **spec))
+    cold = LLMEngine(EngineConfig(model_dir=str(root / "target"), block_size=8, enable_prefix_caching=False, **spec))
+    try:
+        first = eng.generate(prompts, params)
+        assert [o.output_token_ids for o in first] == ref
+        queries = eng.stats.counters["prefix_cache_queries_total"]
+        assert queries == sum(len(eng.tok.encode(p)) for p in prompts)
+        assert eng.stats.counters["prefix_cache_hits_total"] == 0  # distinct prompts: nothing to share
+        again = eng.generate([*prompts, *followers], params)
+        expected = cold.generate([*prompts, *followers], params)
+        assert [o.output_token_ids for o in again] == [o.output_token_ids for o in expected]
+        assert [o.output_token_ids for o in again[: len(prompts)]] == ref
+        hits = eng.stats.counters["prefix_cache_hits_total"]
+        # every repeated prompt finds all of its full blocks but the one holding its last token
+        assert hits >= sum((len(eng.tok.encode(p)) - 1) // 8 * 8 for p in prompts)
+        assert cold.stats.counters["prefix_cache_hits_total"] == 0
+        eng.blocks.check_invariants()
+        assert eng.blocks.usage() == 0.0
+    finally:
+        eng.close()
+        cold.close()
+
+
 def test_streamed_deltas_concatenate_to_the_full_output(smoke_model):
     eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="ngram"))
     prompt = "naïve café — ünïcödé ✓ 日本語 " * 3
