@@ -181,9 +181,12 @@ def _drive(url: str, model: str, load: Load, plan: BenchPlan, stream=None) -> tu
 
 
 def warm_up(url: str, model: str, plan: BenchPlan, stream=None) -> None:
-    """``plan.warmup`` short requests, two at a time, before a run is measured."""
+    """``plan.warmup`` short requests, two at a time, before a run is measured. Their prompts are the
+    last ones of the list, which a run reaches last: the prefix cache keeps what a warm-up computed,
+    and the run's first requests would find their prompts there (vLLM's runs have no warm-up)."""
     if plan.warmup:
-        warm = [Request(r.prompt, min(16, plan.max_tokens), r.temperature) for r in plan.requests_for(plan.warmup)]
+        prompts = plan.requests_for(plan.warmup, offset=-plan.warmup)
+        warm = [Request(r.prompt, min(16, plan.max_tokens), r.temperature) for r in prompts]
         run_closed_loop(url, model, warm, min(2, plan.warmup), plan.timeout_s, stream)
 
 
