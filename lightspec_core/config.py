@@ -156,9 +156,9 @@ class EngineConfig:
     request's deltas carry at least this many new tokens, except its first and its last (vLLM's
     ``--stream-interval``); 1 hands out every step's tokens at once. A server sends a response per
     delta, and at high concurrency each costs more than the tokens it carries (docs/benchmarks.md).
-    ``enable_prefix_caching`` (on by default, as in vLLM): full blocks of computed prompt K/V are
-    kept, keyed by their tokens and everything before them, for later requests whose prompts start
-    the same way (``engine.block_manager``).
+    ``enable_prefix_caching`` (on by default, as in vLLM): full blocks of computed K/V (prompt or
+    verified output) are kept, keyed by their tokens and everything before them, for later requests
+    whose prompts start the same way (``engine.block_manager``).
     ``num_threads``: torch's intra-op threads (0: torch's default, one per CPU); ``decode_threads``:
     those of a target or draft call in which every request feeds one token (0: as the others). A
     server sets it to one per CPU but one (see ``lightspec_backend.params``).

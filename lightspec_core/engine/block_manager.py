@@ -6,11 +6,12 @@ cover ``num_tokens`` token slots, ``trim(seq_id, num_tokens)`` returns the block
 (after a rejection rolled back lookahead slots), ``free(seq_id)`` returns them all. The pools of the
 target and draft runners are both addressed by these tables.
 
-Prefix caching (``prefix_caching=True``, vLLM's automatic prefix caching): a full block of prompt
-tokens whose K/V has been computed is registered under a digest of its tokens and of every token
-before it (:meth:`cache_prompt`). A later request whose prompt starts with the same blocks takes
-them into its table (:meth:`match_prefix`) and computes only the rest, so requests that share a
-system prompt or a document, or a request preempted and recomputed, skip that prefill. Shared blocks
+Prefix caching (``prefix_caching=True``, vLLM's automatic prefix caching): a full block of tokens
+whose K/V has been computed (prompt or verified output) is registered under a digest of its tokens
+and of every token before it (:meth:`cache_blocks`). A later request whose prompt starts with the
+same blocks takes them into its table (:meth:`match_prefix`) and computes only the rest, so
+requests that share a system prompt or a document, a chat's next turn (its prompt holds the last
+answer) and a request preempted and recomputed skip that prefill. Shared blocks
 are counted per table; a block no table holds goes back to the free list still registered, and is
 dropped from the cache only when the free list hands it out again, least recently freed first. A
 request never writes into a shared block: it matches at most its prompt's length minus one token,
@@ -118,15 +119,15 @@ class BlockManager:
             self._release(block)
 
     # ---- prefix cache --------------------------------------------------------------------------
-    def match_prefix(self, seq_id: str, token_ids: list[int], num_prompt: int) -> int:
-        """For a request without blocks: take the cached blocks its first ``num_prompt`` tokens
-        start with into its table; returns how many tokens they hold (0 without prefix caching). At
-        least the prompt's last token is left to compute: its step yields the first output."""
+    def match_prefix(self, seq_id: str, token_ids: list[int]) -> int:
+        """For a request without blocks: take the cached blocks its tokens start with into its
+        table; returns how many tokens they hold (0 without prefix caching). At least its last token
+        is left to compute: that step yields its next token."""
         if not self.prefix_caching or self.tables.get(seq_id):
             return 0
         bs = self.block_size
         table, keys, key = [], [], b""
-        for start in range(0, num_prompt - 1 - bs + 1, bs):
+        for start in range(0, len(token_ids) - bs, bs):
             key = _digest(key, token_ids[start : start + bs])
             block = self._cached.get(key)
             if block is None:
@@ -144,15 +145,15 @@ class BlockManager:
             self._keys[seq_id] = keys
         return len(table) * bs
 
-    def cache_prompt(self, seq_id: str, token_ids: list[int], num_prompt: int, num_computed: int) -> None:
-        """Register ``seq_id``'s full prompt blocks whose K/V is computed (the first ``num_computed``
-        tokens) that are not registered yet. A block whose key another block holds already (two
+    def cache_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register ``seq_id``'s full blocks of ``token_ids[:num_computed]`` (their K/V computed and
+        final) that are not registered yet. A block whose key another block holds already (two
         requests computed the same prefix at once) stays private to its request."""
         if not self.prefix_caching:
             return
         bs = self.block_size
         table = self.tables.get(seq_id)
-        full = min(num_prompt, num_computed) // bs
+        full = min(num_computed, len(token_ids)) // bs
         keys = self._keys.setdefault(seq_id, [])
         if table is None or len(keys) >= full:
             return

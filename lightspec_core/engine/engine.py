@@ -267,8 +267,8 @@ class LLMEngine:
                 if seq.aborted and seq.status is not Status.FINISHED:
                     deltas.append(self._finish(seq, "cancelled"))
                 continue
-            if seq.num_steps == 0:  # its prompt's K/V is computed up to this chunk's end: the prefix cache's
-                self.blocks.cache_prompt(seq.request_id, seq.token_ids, seq.prompt_len, seq.num_computed + it.num_new)
+            # the K/V of every token this step fed is final (accepted drafts' next step): the prefix cache's
+            self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed + it.num_new)
             if not rows:  # a prompt chunk short of the prompt's end
                 seq.num_computed += it.num_new
                 self.blocks.set_used(seq.request_id, seq.num_computed)

@@ -176,8 +176,8 @@ class Scheduler:
         reserve = int((1.0 - self.kv_high_water) * self.blocks.num_blocks)
         while self.waiting and budget > 0 and len(plan.items) < max_seqs and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed == 0:  # what the prefix cache holds of its prompt is computed already
-                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.token_ids, seq.prompt_len)
+            if seq.num_computed == 0:  # what the prefix cache holds of its tokens is computed already
+                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.token_ids)
             n, samples = self._feed(seq, budget)
             need = self.blocks.extra_blocks_needed(seq.request_id, seq.num_computed + n)
             # keep a reserve for running requests to grow into, unless nothing else is running

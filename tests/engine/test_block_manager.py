@@ -86,7 +86,7 @@ def test_prefix_cache_hands_out_only_blocks_computed_for_the_same_tokens(ops, nu
     for op, sid, k in ops:
         seq, prompt = f"s{sid}", prompts[f"s{sid}"]
         if op == "admit" and not bm.table(seq):
-            matched = bm.match_prefix(seq, prompt, len(prompt))
+            matched = bm.match_prefix(seq, prompt)
             assert matched % block_size == 0 and matched <= len(prompt) - 1
             for i, block in enumerate(bm.table(seq)):
                 assert content[block] == tuple(prompt[: (i + 1) * block_size])
@@ -102,7 +102,7 @@ def test_prefix_cache_hands_out_only_blocks_computed_for_the_same_tokens(ops, nu
             for i in range(computed[seq] // block_size, -(-new // block_size)):
                 content[bm.table(seq)[i]] = tuple(prompt[: (i + 1) * block_size])
             computed[seq] = new
-            bm.cache_prompt(seq, prompt, len(prompt), new)
+            bm.cache_blocks(seq, prompt, new)
         elif op == "trim" and bm.table(seq):  # lookahead slots for drafts, then rolled back
             have = len(bm.table(seq))
             if bm.ensure(seq, len(prompt) + k * block_size):
@@ -122,12 +122,12 @@ def test_prefix_cache_hands_out_only_blocks_computed_for_the_same_tokens(ops, nu
 def test_a_repeated_prompt_reuses_its_full_blocks_but_computes_its_last_token():
     bm = BlockManager(16, 4, prefix_caching=True)
     prompt = list(range(12))  # exactly three blocks
-    assert bm.match_prefix("a", prompt, 12) == 0 and bm.ensure("a", 12)
-    bm.cache_prompt("a", prompt, 12, 12)
-    assert bm.match_prefix("b", prompt, 12) == 8  # the third block holds the last token: recomputed
+    assert bm.match_prefix("a", prompt) == 0 and bm.ensure("a", 12)
+    bm.cache_blocks("a", prompt, 12)
+    assert bm.match_prefix("b", prompt) == 8  # the third block holds the last token: recomputed
     assert bm.table("b") == bm.table("a")[:2]
-    assert bm.match_prefix("c", [*prompt[:4], 99, *prompt[5:]], 12) == 4  # differs in the second block
-    assert bm.match_prefix("d", prompt, 12) == 8 and bm.ensure("d", 12)
+    assert bm.match_prefix("c", [*prompt[:4], 99, *prompt[5:]]) == 4  # differs in the second block
+    assert bm.match_prefix("d", prompt) == 8 and bm.ensure("d", 12)
     assert bm.table("d")[2] != bm.table("a")[2]  # its own block for what it computes
     bm.check_invariants()
 
@@ -136,19 +136,19 @@ def test_a_cached_block_survives_its_request_until_the_free_list_hands_it_out():
     bm = BlockManager(3, 4, prefix_caching=True)
     prompt = list(range(9))
     bm.ensure("a", 9)
-    bm.cache_prompt("a", prompt, 9, 9)
+    bm.cache_blocks("a", prompt, 9)
     bm.free("a")
     assert bm.num_free == 3 and bm.usage() == 0.0
-    assert bm.match_prefix("b", prompt, 9) == 8  # still cached after "a" ended
+    assert bm.match_prefix("b", prompt) == 8  # still cached after "a" ended
     bm.free("b")
     assert bm.ensure("c", 12)  # takes every block: the cached ones are overwritten
     bm.free("c")
-    assert bm.match_prefix("d", prompt, 9) == 0
+    assert bm.match_prefix("d", prompt) == 0
     bm.check_invariants()
 
 
 def test_without_prefix_caching_nothing_is_matched():
     bm = BlockManager(8, 4)
     bm.ensure("a", 8)
-    bm.cache_prompt("a", list(range(8)), 8, 8)
-    assert bm.match_prefix("b", list(range(8)), 8) == 0 and bm.table("b") == []
+    bm.cache_blocks("a", list(range(8)), 8)
+    assert bm.match_prefix("b", list(range(8))) == 0 and bm.table("b") == []
