@@ -153,12 +153,14 @@ class BlockManager:
             return
         bs = self.block_size
         table = self.tables.get(seq_id)
-        full = min(num_computed, len(token_ids)) // bs
+        if table is None:
+            return
+        full = min(num_computed, len(token_ids), len(table) * bs) // bs
         keys = self._keys.setdefault(seq_id, [])
-        if table is None or len(keys) >= full:
+        if len(keys) >= full:
             return
         key = keys[-1] if keys else b""
-        for i in range(len(keys), min(full, len(table))):
+        for i in range(len(keys), full):
             key = _digest(key, token_ids[i * bs : (i + 1) * bs])
             keys.append(key)
             block = table[i]
