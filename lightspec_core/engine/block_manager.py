@@ -11,11 +11,11 @@ whose K/V has been computed (prompt or verified output) is registered under a di
 and of every token before it (:meth:`cache_blocks`). A later request whose prompt starts with the
 same blocks takes them into its table (:meth:`match_prefix`) and computes only the rest, so
 requests that share a system prompt or a document, a chat's next turn (its prompt holds the last
-answer) and a request preempted and recomputed skip that prefill. Shared blocks
-are counted per table; a block no table holds goes back to the free list still registered, and is
-dropped from the cache only when the free list hands it out again, least recently freed first. A
-request never writes into a shared block: it matches at most its prompt's length minus one token,
-and it writes K/V only from its first unmatched position on.
+answer) and a request preempted and recomputed skip that prefill. Shared blocks are counted per
+table; a block no table holds goes back to the free list still registered, and is dropped from the
+cache only when the free list hands it out again, least recently freed first. A request never
+writes into a shared block: it matches at most all its tokens but the last, and it writes K/V only
+from its first unmatched position on.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class BlockManager:
         self._used_slots: dict[str, int] = {}  # tokens actually holding valid KV, for fragmentation
         self._cached: dict[bytes, int] = {}  # prefix cache: key -> block
         self._key_of: dict[int, bytes] = {}  # registered block -> its key
-        self._keys: dict[str, list[bytes]] = {}  # a request's prompt blocks' keys, as far as computed
+        self._keys: dict[str, list[bytes]] = {}  # a request's full blocks' keys, as far as computed
 
     # ---- queries -------------------------------------------------------------------------------
     @property

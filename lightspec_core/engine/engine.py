@@ -267,7 +267,7 @@ class LLMEngine:
                 if seq.aborted and seq.status is not Status.FINISHED:
                     deltas.append(self._finish(seq, "cancelled"))
                 continue
-            # the K/V of every token this step fed is final (accepted drafts' next step): the prefix cache's
+            # the K/V of the tokens this step fed is final (accepted drafts join next step): to the prefix cache
             self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed + it.num_new)
             if not rows:  # a prompt chunk short of the prompt's end
                 seq.num_computed += it.num_new

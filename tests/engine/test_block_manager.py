@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,8 +62,6 @@ def test_fragmentation_counts_reserved_but_unused_slots():
 
 
 def _prompt(alphabet: int, length: int, seed: int) -> list[int]:
-    import random
-
     rng = random.Random(seed)
     return [rng.randrange(alphabet) for _ in range(length)]
 
