@@ -268,10 +268,12 @@ def serve(smoke_model, tmp_path, grace: float) -> tuple[subprocess.Popen, str, s
 
 
 def test_sigterm_drains_then_cancels_and_exits_0(smoke_model, tmp_path):
-    proc, url, banner = serve(smoke_model, tmp_path, grace=3.0)
+    proc, url, banner = serve(smoke_model, tmp_path, grace=2.0)
     try:
         short = Streams(url, n=4, max_tokens=16)
-        long = Streams(url, n=4, max_tokens=1000)
+        # six streams of 1000 tokens share the engine (and fit its 8192 KV slots together): about
+        # 6000 tokens, seconds past the grace period on any machine that serves the smoke model
+        long = Streams(url, n=6, max_tokens=1000)
         long.wait_started()
         t_term = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -286,12 +288,12 @@ def test_sigterm_drains_then_cancels_and_exits_0(smoke_model, tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, out
-    print(f"\nSIGTERM: exit 0 after {time.monotonic() - t_term:.1f} s (grace 3 s)")
-    assert time.monotonic() - t_term < 3.0 + 20
+    print(f"\nSIGTERM: exit 0 after {time.monotonic() - t_term:.1f} s (grace 2 s)")
+    assert time.monotonic() - t_term < 2.0 + 20
     assert late.results[0][0] == "error" and "shutting down" in late.results[0][1], late.results
     assert all(r[0] == "ok" for r in short.results.values()), short.results
     assert all(r[0] == "ok" or "cancelled" in r[1] for r in long.results.values()), long.results
-    assert any(r[0] == "error" for r in long.results.values()), long.results  # 1000 tokens take > 3 s
+    assert any(r[0] == "error" for r in long.results.values()), long.results  # still running at 2 s
     log = re.search(r"log\s+(\S+\.log)", banner)
     text = Path(log.group(1)).read_text() if log else ""
     assert log and "Exit timeout expired" not in text
