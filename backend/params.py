@@ -65,7 +65,7 @@ class BackendConfig:
     stage_models: dict[str, str]  # engine stage name ("target", "mtp", "draft") -> Triton model name
     orchestrator_model: str = FRONT_TARGET_PARAM[1]  # role batched: the model it forwards to
     stage_timeout_s: float = 30.0  # a stage call unanswered this long fails its step UNAVAILABLE
-    stages: str = STAGES_TRITON  # ``local``/``process``: every stage with the orchestrator's engine
+    stages: str = STAGES_PROCESS  # ``local``/``process``: every stage with the orchestrator's engine
 
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls by BLS with this speculation method."""
@@ -221,7 +221,7 @@ def serving_decode_threads(num_threads: int, cpus: int) -> int:
 
 
 def _stages(params: dict[str, str]) -> str:
-    value = params.get(STAGES_PARAM, "").strip() or STAGES_TRITON
+    value = params.get(STAGES_PARAM, "").strip() or STAGES_PROCESS
     if value not in (STAGES_TRITON, *STAGES_IN_ORCHESTRATOR):
         raise _bad(STAGES_PARAM, value, f"expected {STAGES_TRITON} (stage models over BLS), {STAGES_LOCAL} "
                    f"(in the orchestrator's process) or {STAGES_PROCESS} (in a child process of it)")

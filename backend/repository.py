@@ -17,7 +17,16 @@ from pathlib import Path
 from lightspec_core.config import EngineConfig, resolve_dirs
 from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, ProfileCall, ProfileResult
 
-from .params import FUSED, LOCAL, STAGE_MODEL_PARAMS, STAGES_IN_ORCHESTRATOR, STAGES_PARAM, STAGES_TRITON, Role
+from .params import (
+    FUSED,
+    LOCAL,
+    STAGE_MODEL_PARAMS,
+    STAGES_IN_ORCHESTRATOR,
+    STAGES_PARAM,
+    STAGES_PROCESS,
+    STAGES_TRITON,
+    Role,
+)
 from .tensors import INPUTS, OUTPUTS, TensorSpec
 
 ORCHESTRATOR = "lightspec"
@@ -103,7 +112,7 @@ def default_parameters() -> dict[str, str]:
             # worker takes a core from the target stage's process. Stages: one thread per CPU but one.
             out[key] = "1"
         elif key == STAGES_PARAM:
-            out[key] = STAGES_TRITON
+            out[key] = STAGES_PROCESS
         elif key in ("target_model", "draft_model"):
             out[key] = next(d for p, d in STAGE_MODEL_PARAMS.values() if p == key)
         else:
@@ -154,7 +163,9 @@ def _decoupled_model(comment: str, name: str, max_batch_size: int, params: dict[
 
 
 def render_orchestrator(params: dict[str, str], name: str = ORCHESTRATOR) -> str:
-    comment = "LightSpec orchestrator: owns the engine, reaches the stage models by BLS. See docs/serving.md."
+    where = ("reaches the stage models by BLS" if params.get(STAGES_PARAM) == STAGES_TRITON
+             else "runs its stages itself (stages: local or process)")  # fmt: skip
+    comment = f"LightSpec orchestrator: owns the engine, {where}. See docs/serving.md."
     return _decoupled_model(comment, name, 0, params)
 
 

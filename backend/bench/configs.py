@@ -113,7 +113,7 @@ def parse_configs(configs: list[str], methods: list[str]) -> list[RunConfig]:
 def stages_for(configs: list[RunConfig], overrides: dict[str, str] | None = None) -> list[str]:
     """Stage models the configurations need: the target always, the MTP stage named by ``mtp`` when
     a configuration's heads run there (not at ``local`` or ``fused``), the draft model when used;
-    none at ``stages: local``, where each orchestrator runs its own."""
+    none at ``stages: local`` or ``process`` (the default), where each orchestrator runs its own."""
     params = {**default_parameters(), **(overrides or {})}
     if params[STAGES_PARAM] in STAGES_IN_ORCHESTRATOR:
         return []

@@ -59,7 +59,7 @@ def test_cli_repository_writes_a_validated_repository_for_a_checkpoint(tmp_path,
     monkeypatch.chdir(smoke_model)  # a relative --model-dir is made absolute: the repository may move
     out = tmp_path / "repo"
     argv = ["repository", "--model-dir", "target", "--set", "num_kv_blocks=32", "--set", "kv_cache_memory=0.5",
-            "--out", str(out)]
+            "--set", "stages=triton", "--out", str(out)]
     assert cli.main(argv) == 0
     assert "wrote" in capsys.readouterr().out
     orch = parse_backend_config(read_config_parameters(out / "lightspec" / "config.pbtxt"), base_dir=out)

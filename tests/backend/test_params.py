@@ -14,6 +14,8 @@ from lightspec_backend.params import (
 )
 from lightspec_backend.repository import write_model_repository
 
+BLS = {"stages": "triton"}  # stage models over BLS: what the tests of stage configs are about
+
 
 def test_empty_parameters_give_the_engine_defaults():
     cfg = parse_backend_config({})
@@ -76,7 +78,7 @@ def test_relative_checkpoint_paths_resolve_against_the_repository(tmp_path):
 
 
 def test_stage_models_can_be_renamed():
-    cfg = parse_backend_config({"target_model": "big", "speculation": "draft", "draft_model": "small"})
+    cfg = parse_backend_config({"target_model": "big", "speculation": "draft", "draft_model": "small", **BLS})
     assert cfg.stage_models["target"] == "big" and cfg.stages_in_use() == ["target", "draft"]
 
 
@@ -92,7 +94,8 @@ def test_stage_models_can_be_renamed():
     ],
 )
 def test_stages_in_use_follow_the_speculation_method(params, stages):
-    assert parse_backend_config(params).stages_in_use() == stages
+    assert parse_backend_config({**params, **BLS}).stages_in_use() == stages
+    assert parse_backend_config(params).stages_in_use() == []  # the default, stages: process
 
 
 def test_flatten_parameters_reads_triton_json():
@@ -108,7 +111,7 @@ def test_generated_stage_configs_agree_with_the_orchestrator(tmp_path):
 
 
 def test_kv_geometry_mismatch_with_a_stage_is_a_load_error(tmp_path):
-    repo = write_model_repository(tmp_path)
+    repo = write_model_repository(tmp_path, BLS)
     target_cfg = repo / "lightspec_target" / "config.pbtxt"
     target_cfg.write_text(
         target_cfg.read_text().replace(
@@ -121,15 +124,15 @@ def test_kv_geometry_mismatch_with_a_stage_is_a_load_error(tmp_path):
 
 
 def test_missing_stage_config_is_only_a_note(tmp_path):
-    repo = write_model_repository(tmp_path)
-    cfg = parse_backend_config({"target_model": "elsewhere", "mtp": "local"}, base_dir=repo)
+    repo = write_model_repository(tmp_path, BLS)
+    cfg = parse_backend_config({"target_model": "elsewhere", "mtp": "local", **BLS}, base_dir=repo)
     notes = check_stage_configs(cfg, repo)
     assert len(notes) == 1 and "elsewhere" in notes[0]
 
 
 def test_stage_with_wrong_role_is_rejected(tmp_path):
-    repo = write_model_repository(tmp_path)
-    cfg = parse_backend_config({"mtp": "lightspec_draft"}, base_dir=repo)
+    repo = write_model_repository(tmp_path, BLS)
+    cfg = parse_backend_config({"mtp": "lightspec_draft", **BLS}, base_dir=repo)
     with pytest.raises(ValueError, match="mtp='lightspec_draft'"):
         check_stage_configs(cfg, repo)
 
@@ -159,12 +162,13 @@ def test_missing_checkpoint_names_the_parameter(tmp_path, smoke_model):
 def test_local_mtp_runs_in_the_orchestrator_and_needs_no_stage_model():
     from lightspec_backend.repository import render_repository
 
-    cfg = parse_backend_config({"mtp": "local", "speculation": "mtp"})
+    cfg = parse_backend_config({"mtp": "local", "speculation": "mtp", **BLS})
     assert cfg.stages_in_use() == ["target"] and cfg.local_stage("mtp")
-    assert set(render_repository({"mtp": "local"})) == {"lightspec", "lightspec_target", "lightspec_draft",
-                                                    "lightspec_batched"}
-    assert parse_backend_config({"speculation": "mtp", "mtp": "lightspec_mtp"}).stages_in_use() == ["target", "mtp"]
-    assert parse_backend_config({"speculation": "mtp"}).stages_in_use() == ["target"]  # fused: the default
+    assert set(render_repository({"mtp": "local", **BLS})) == {"lightspec", "lightspec_target", "lightspec_draft",
+                                                           "lightspec_batched"}
+    heads_stage = parse_backend_config({"speculation": "mtp", "mtp": "lightspec_mtp", **BLS})
+    assert heads_stage.stages_in_use() == ["target", "mtp"]
+    assert parse_backend_config({"speculation": "mtp", **BLS}).stages_in_use() == ["target"]  # fused: the default
 
 
 def test_fused_mtp_loads_the_heads_into_the_target_stage(tmp_path, smoke_model):
@@ -173,20 +177,21 @@ def test_fused_mtp_loads_the_heads_into_the_target_stage(tmp_path, smoke_model):
     stage model is needed, and a target stage without the heads is a load error naming ``mtp``."""
     from lightspec_backend.repository import render_repository
 
-    cfg = parse_backend_config({"mtp": "fused", "speculation": "mtp"})
+    cfg = parse_backend_config({"mtp": "fused", "speculation": "mtp", **BLS})
     assert cfg.engine.fused_mtp and cfg.fused and cfg.local_stage("mtp") and cfg.stages_in_use() == ["target"]
     assert not parse_backend_config({"mtp": "local"}).engine.fused_mtp
-    assert set(render_repository({"mtp": "fused"})) == {"lightspec", "lightspec_target", "lightspec_draft",
-                                                    "lightspec_batched"}
-    repo = write_model_repository(tmp_path / "fused", {"mtp": "fused", "model_dir": str(smoke_model / "target")})
+    assert set(render_repository({"mtp": "fused", **BLS})) == {"lightspec", "lightspec_target", "lightspec_draft",
+                                                           "lightspec_batched"}
+    repo = write_model_repository(tmp_path / "fused", {"mtp": "fused", "model_dir": str(smoke_model / "target"), **BLS})
     target = parse_backend_config(read_config_parameters(repo / "lightspec_target" / "config.pbtxt"), base_dir=repo)
     assert target.loads_heads
     check_checkpoints(target)  # the smoke family has heads
     orch = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"), base_dir=repo)
     assert check_stage_configs(orch, repo) == []
-    plain = write_model_repository(tmp_path / "plain", {"model_dir": str(smoke_model / "target"), "mtp": "local"})
+    plain = write_model_repository(tmp_path / "plain",
+                                   {"model_dir": str(smoke_model / "target"), "mtp": "local", **BLS})  # fmt: skip
     with pytest.raises(ValueError, match=r"mtp='fused': stage model 'lightspec_target' does not load the MTP heads"):
-        check_stage_configs(parse_backend_config({"mtp": "fused", "model_dir": str(smoke_model / "target")},
+        check_stage_configs(parse_backend_config({"mtp": "fused", "model_dir": str(smoke_model / "target"), **BLS},
                                                  base_dir=plain), plain)
     assert not parse_backend_config({"role": "draft", "mtp": "fused"}).loads_heads  # only a target stage
     assert not parse_backend_config({"mtp": "fused", "speculation": "ngram"}).engine.fused_mtp
@@ -208,7 +213,8 @@ def test_a_kv_budget_is_bytes_in_a_repository():
 
 
 def test_stages_is_triton_local_or_process_and_only_triton_calls_stage_models():
-    assert parse_backend_config({}).stages_in_use() == ["target"]
+    assert parse_backend_config({}).stages == "process"  # the default: one device serves the most tokens so
+    assert parse_backend_config(BLS).stages_in_use() == ["target"]
     for stages in ("local", "process"):
         cfg = parse_backend_config({"stages": stages, "speculation": "draft"})
         assert cfg.stages == stages and cfg.stages_in_use() == []
@@ -227,4 +233,4 @@ def test_an_engine_in_the_orchestrator_decodes_with_a_core_left_to_serving(monke
     monkeypatch.setattr(params, "available_cpus", lambda: 1)
     assert parse_backend_config({"stages": "process"}).engine.decode_threads == 1
     # stage models over BLS pick their threads per call themselves (stage_threads)
-    assert parse_backend_config({}).engine.decode_threads == 0
+    assert parse_backend_config(BLS).engine.decode_threads == 0

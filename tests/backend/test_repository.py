@@ -57,7 +57,7 @@ def test_orchestrator_config_is_decoupled_and_declares_the_contract():
 
 @pytest.mark.parametrize("name", ["lightspec_target", "lightspec_mtp", "lightspec_draft"])
 def test_stage_configs_are_plain_cpu_models(name):
-    cfg = parse(render_repository({"mtp": "lightspec_mtp"})[name])
+    cfg = parse(render_repository({"mtp": "lightspec_mtp", "stages": "triton"})[name])
     assert not cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     assert cfg.instance_group[0].count == 1
@@ -78,6 +78,7 @@ def test_overrides_reach_the_stages_that_use_them(tmp_path):
             "num_threads": 1,
             "target_model": "big",
             "mtp": "lightspec_mtp",
+            "stages": "triton",
         },
     )
     target = read_config_parameters(repo / "big" / "config.pbtxt")
@@ -99,10 +100,10 @@ def test_orchestrator_runs_one_torch_thread_and_stages_leave_it_a_core():
     defaults to one intra-op thread. A stage without ``num_threads`` takes one thread per CPU but
     one for small calls, so the two processes do not ask for more threads than there are CPUs, and
     every CPU for large ones (the orchestrator waits on those)."""
-    repo = render_repository()
+    repo = render_repository({"stages": "triton"})
     assert parse(repo["lightspec"]).parameters["num_threads"].string_value == "1"
     assert "num_threads" not in parse(repo["lightspec_target"]).parameters
-    forced = render_repository({"num_threads": "2"})
+    forced = render_repository({"num_threads": "2", "stages": "triton"})
     assert parse(forced["lightspec"]).parameters["num_threads"].string_value == "2"
     assert parse(forced["lightspec_target"]).parameters["num_threads"].string_value == "2"
     auto = [stage_threads(0, cpus) for cpus in (1, 2, 4, 16)]
@@ -138,13 +139,15 @@ def test_stages_with_the_engine_render_no_stage_models_and_threads_per_cpu(stage
     orch = models["lightspec"]
     assert f'{{ key: "stages" value: {{ string_value: "{stages}" }} }}' in orch
     assert '{ key: "num_threads" value: { string_value: "0" } }' in orch  # the one process that computes
-    assert '{ key: "num_threads" value: { string_value: "1" } }' in render_repository({})["lightspec"]
+    assert '{ key: "num_threads" value: { string_value: "1" } }' in render_repository({"stages": "triton"})["lightspec"]
+    assert "runs its stages itself" in orch and "by BLS" in render_repository({"stages": "triton"})["lightspec"]
 
 
 def test_rewrite_removes_stage_models_the_new_render_drops(tmp_path):
     """A repository written once with stage models and then with ``stages: local`` holds only the
     orchestrator and the batched front: the stale stages (with their old parameters) are gone."""
-    first = write_model_repository(tmp_path, {"mtp": "lightspec_mtp", "speculation": "draft", "policy": "bogus"})
+    first = write_model_repository(tmp_path, {"mtp": "lightspec_mtp", "speculation": "draft", "policy": "bogus",
+                                              "stages": "triton"})  # fmt: skip
     stages = {"lightspec_target", "lightspec_mtp", "lightspec_draft"}
     assert stages <= {p.name for p in first.iterdir()}
     repo = write_model_repository(tmp_path, {"stages": "local"})

@@ -28,7 +28,7 @@ PROMPT = "def fibonacci(n):"
 def server(tmp_path_factory, smoke_model):
     root = tmp_path_factory.mktemp("conventions")
     overrides = {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "64", "block_size": "16",
-                 "num_threads": "1"}  # fmt: skip
+                 "num_threads": "1", "stages": "triton"}  # fmt: skip
     repo = write_model_repository(root / "repo", overrides)
     srv = TritonServer(repo, cache_dir=root / "cache", model_control_mode="explicit", load_models=MODELS)
     srv.start(timeout_s=600)

@@ -1,5 +1,6 @@
 """The dynamic policy's stage profile is taken while the models load, through a real tritonserver
-serving the checked-in ``model_repository/``: the first request after "ready" does not wait for it."""
+serving stage models over BLS (``stages: triton``): the first request after "ready" does not wait
+for it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from lightspec_backend.client import grpc_inputs, is_final
 from lightspec_backend.launcher import TritonServer
+from lightspec_backend.repository import write_model_repository
 
 pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +40,8 @@ def time_to_first_token(url: str, prompt: str) -> float:
 
 
 def test_the_first_request_after_ready_pays_no_stage_profile(tmp_path):
-    with TritonServer(ROOT / "model_repository", cache_dir=tmp_path / "cache") as srv:
+    repo = write_model_repository(tmp_path / "repo", {"stages": "triton"})
+    with TritonServer(repo, cache_dir=tmp_path / "cache") as srv:
         log = srv.log_text()
         # the target stage timed itself before the server reported ready
         assert "target stage: profiled in" in log, srv.log_tail(40)

@@ -32,10 +32,11 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def overrides(smoke_model) -> dict[str, str]:
-    # MTP as its own stage model here (the default runs the heads in the orchestrator), so the BLS
-    # path to every stage is exercised; the checked-in repository test covers the default.
+    # Stage models over BLS and MTP as a stage of its own here (the default runs every stage in
+    # the orchestrator's child process), so the BLS path to every stage is exercised; the
+    # checked-in repository's tests cover the default.
     return {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "64", "block_size": "16", "num_threads": "1",
-            "mtp": "lightspec_mtp"}
+            "mtp": "lightspec_mtp", "stages": "triton"}
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,8 @@ def test_bad_loads_are_refused_before_anything_runs(argv, message):
 def test_write_repository_writes_the_sweeps_models_and_prints_how_to_serve_them(tmp_path, capsys):
     repo = tmp_path / "repo"
     argv = ["--write-repository", str(repo), "--configs", "none", "dynamic", "--methods", "mtp", "draft",
-            "--concurrency", "1", "8", "--num-prompts", "2", "--set", "num_threads=1"]  # fmt: skip
+            "--concurrency", "1", "8", "--num-prompts", "2", "--set", "num_threads=1",
+            "--set", "stages=triton"]  # fmt: skip
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     assert "--model-control-mode=explicit --load-model=lightspec_target --load-model=lightspec_draft" in printed

@@ -17,9 +17,11 @@ def test_configs_cross_methods_and_run_the_none_baseline_once():
         ("dynamic@2", "ngram", "lightspec_ngram_dynamic_d2"),
     ]
     assert runs[3].pipeline_depth == 2
-    assert stages_for(runs) == ["lightspec_target"]  # default: MTP heads in the target stage
-    assert stages_for(runs, {"mtp": "lightspec_mtp"}) == ["lightspec_target", "lightspec_mtp"]
-    assert stages_for(parse_configs(["dynamic"], ["draft", "ngram"])) == ["lightspec_target", "lightspec_draft"]
+    assert stages_for(runs) == []  # default: stages: process, the engine runs its stages itself
+    bls = {"stages": "triton"}
+    assert stages_for(runs, bls) == ["lightspec_target"]  # MTP heads in the target stage
+    assert stages_for(runs, {"mtp": "lightspec_mtp", **bls}) == ["lightspec_target", "lightspec_mtp"]
+    assert stages_for(parse_configs(["dynamic"], ["draft", "ngram"]), bls) == ["lightspec_target", "lightspec_draft"]
     assert RunConfig("static:8", "mtp", "static:8").parameters(4)["max_draft_tokens"] == "8"
     stop = parse_configs(["dynamic", "dynamic+stop"], ["mtp"])
     assert [c.model_name for c in stop] == ["lightspec_mtp_dynamic", "lightspec_mtp_dynamic_stop"]
@@ -29,7 +31,7 @@ def test_configs_cross_methods_and_run_the_none_baseline_once():
                                              "lightspec_mtp_dynamic_stop_fused"]  # fmt: skip
     assert [c.parameters(4)["mtp"] for c in where] == ["local", "fused", "fused"]
     assert where[2].confidence_stop
-    assert stages_for(where, {"mtp": "lightspec_mtp"}) == ["lightspec_target"]
+    assert stages_for(where, {"mtp": "lightspec_mtp", **bls}) == ["lightspec_target"]
 
 
 @pytest.mark.parametrize("bad", [["eagle"], ["static:x"], ["dynamic@3"], ["none", "off"], ["static:2+stop"],
@@ -52,7 +54,8 @@ def _target_loads_heads(repo) -> bool:
 
 def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp_path):
     configs = parse_configs(["none", "static:2", "dynamic", "dynamic+stop"], ["mtp", "draft"])
-    repo = write_bench_repository(tmp_path / "repo", configs, {"num_kv_blocks": "96", "model_dir": "/m/t"}, 4)
+    bls = {"stages": "triton"}  # the stage models shared by the sweep's orchestrators
+    repo = write_bench_repository(tmp_path / "repo", configs, {"num_kv_blocks": "96", "model_dir": "/m/t", **bls}, 4)
     for c in configs:
         cfg = _backend_config(repo, c)
         assert (cfg.engine.speculation, cfg.engine.policy) == (c.method, c.policy)
@@ -63,11 +66,11 @@ def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp
     assert target["num_kv_blocks"] == "96"
     assert _target_loads_heads(repo)  # the default: mtp fused, the target stage proposes drafts
     assert all(_backend_config(repo, c).engine.fused_mtp == (c.method == "mtp") for c in configs)
-    local = write_bench_repository(tmp_path / "local", configs[:1], {"mtp": "local"}, 4)
+    local = write_bench_repository(tmp_path / "local", configs[:1], {"mtp": "local", **bls}, 4)
     assert not _target_loads_heads(local)
     # a fused configuration: the shared target stage loads the heads, the others keep theirs
     configs = parse_configs(["static:4+local", "static:4+fused"], ["mtp"])
-    repo = write_bench_repository(tmp_path / "fused", configs, {"mtp": "local"}, 4)
+    repo = write_bench_repository(tmp_path / "fused", configs, {"mtp": "local", **bls}, 4)
     assert _target_loads_heads(repo)
     for c, fused in zip(configs, (False, True)):
         cfg = _backend_config(repo, c)
