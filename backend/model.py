@@ -2,8 +2,9 @@
 
 One file, five roles chosen by the config.pbtxt parameter ``role``:
 
-- ``orchestrator`` (decoupled, max_batch_size 0): owns a ``lightspec_core.LLMEngine`` whose stages
-  are the models below, reached by BLS; see :mod:`lightspec_backend.orchestrator`;
+- ``orchestrator`` (decoupled, max_batch_size 0): owns a ``lightspec_core.LLMEngine``, which runs its
+  stages in a child process (``stages: process``, the default) or in this one (``local``), or
+  reaches the models below by BLS (``triton``); see :mod:`lightspec_backend.orchestrator`;
 - ``target`` / ``draft``: a :class:`~lightspec_core.stages.ModelRunner` (weights + paged KV pool);
 - ``mtp``: a :class:`~lightspec_core.stages.MTPRunner` (MTP heads);
 - ``batched`` (decoupled, max_batch_size 1): forwards ``[1, 1]``-shaped requests to the

@@ -43,7 +43,8 @@ BACKEND_PARAMS += ("stage_timeout_s",)  # the orchestrator's deadline for one st
 # process, as the library does: no BLS round trip and no tensor copies through the stub per step,
 # for stages that share the orchestrator's device (docs/benchmarks.md); ``process``, as ``local`` but
 # with the engine in a child process of the orchestrator's (vLLM's engine-core layout), so that
-# sending responses does not hold the interpreter lock the engine's step needs.
+# sending responses does not hold the interpreter lock the engine's step needs. ``process`` is the
+# default: on one device it serves the most tokens.
 STAGES_PARAM, STAGES_TRITON, STAGES_LOCAL, STAGES_PROCESS = "stages", "triton", "local", "process"
 STAGES_IN_ORCHESTRATOR = (STAGES_LOCAL, STAGES_PROCESS)  # no stage models: the orchestrator runs them
 BACKEND_PARAMS += (STAGES_PARAM,)
