@@ -107,9 +107,11 @@ def default_parameters() -> dict[str, str]:
         if key == "metrics":
             out[key] = "on"
         elif key == "num_threads":
-            # The orchestrator's own torch work (MTP heads at mtp: local, rejection sampling) is
-            # many small kernels: a second intra-op thread barely speeds them up, and its spinning
-            # worker takes a core from the target stage's process. Stages: one thread per CPU but one.
+            # With stages over BLS (stages: triton) the orchestrator's own torch work (MTP heads at
+            # mtp: local, rejection sampling) is many small kernels: a second intra-op thread barely
+            # speeds them up, and its spinning worker takes a core from the target stage's process.
+            # Stages: one thread per CPU but one. orchestrator_parameters replaces it where the
+            # orchestrator's engine runs its stages itself (local, process: the default).
             out[key] = "1"
         elif key == STAGES_PARAM:
             out[key] = STAGES_PROCESS
@@ -122,9 +124,9 @@ def default_parameters() -> dict[str, str]:
 
 
 def orchestrator_parameters(overrides: dict[str, str]) -> dict[str, str]:
-    """An orchestrator's parameters: the defaults with ``overrides``. At ``stages: local`` the
-    orchestrator is the one process that computes, so its ``num_threads`` defaults to torch's own
-    (a thread per CPU) instead of 1."""
+    """An orchestrator's parameters: the defaults with ``overrides``. At ``stages: local`` or
+    ``process`` (the default) the orchestrator's engine is the one that computes, so its
+    ``num_threads`` defaults to torch's own (a thread per CPU) instead of 1."""
     out = {**default_parameters(), **overrides}
     if out[STAGES_PARAM] in STAGES_IN_ORCHESTRATOR and "num_threads" not in overrides:
         out["num_threads"] = "0"

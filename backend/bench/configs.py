@@ -129,7 +129,7 @@ def write_bench_repository(
     """The stage models plus one orchestrator per configuration (and the plain ``lightspec`` one)."""
     fused = any(c.mtp == FUSED for c in configs)  # then the shared target stage loads the heads
     dst = write_model_repository(dst, {**overrides, "mtp": FUSED} if fused else overrides)
-    local = overrides.get(STAGES_PARAM) in STAGES_IN_ORCHESTRATOR
+    local = orchestrator_parameters(overrides)[STAGES_PARAM] in STAGES_IN_ORCHESTRATOR  # the default too
     if any(c.method == "draft" for c in configs) and not local and not (dst / DRAFT_STAGE / "config.pbtxt").is_file():
         # the generated repository has a draft stage only for speculation draft; the shared one here
         # serves the draft configurations beside the others

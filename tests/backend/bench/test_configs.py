@@ -67,6 +67,9 @@ def test_repository_has_one_orchestrator_per_config_sharing_the_stage_models(tmp
     assert _target_loads_heads(repo)  # the default: mtp fused, the target stage proposes drafts
     assert all(_backend_config(repo, c).engine.fused_mtp == (c.method == "mtp") for c in configs)
     local = write_bench_repository(tmp_path / "local", configs[:1], {"mtp": "local", **bls}, 4)
+    # by default (stages: process) every orchestrator runs its own stages: no stage model, draft included
+    default = write_bench_repository(tmp_path / "default", configs, {"model_dir": "/m/t"}, 4)
+    assert not (default / "lightspec_target").exists() and not (default / "lightspec_draft").exists()
     assert not _target_loads_heads(local)
     # a fused configuration: the shared target stage loads the heads, the others keep theirs
     configs = parse_configs(["static:4+local", "static:4+fused"], ["mtp"])
