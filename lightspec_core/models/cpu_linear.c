@@ -3,23 +3,41 @@
  * lightspec_pack lays a weight [n][k] out as panels of NR = 32 output rows, [n / NR][k][NR]
  * (the last panel zero-padded): a panel's k-th 32 values are one step of 32 dot products. The
  * product walks each panel once from memory and keeps it in cache while every activation row
- * uses it, six rows at a time: per step of k, two vector loads of the panel, six broadcasts and
- * twelve fused multiply-adds into twelve vector accumulators, so the loop runs at the FMA units'
- * rate and no horizontal sums are needed. Panels are shared out among the threads.
+ * uses it, MR rows at a time (six with AVX-512): per step of k, the panel's 32 values in NV vector
+ * loads, MR broadcasts and MR * NV fused multiply-adds into as many vector accumulators, so the
+ * loop runs at the FMA units' rate and no horizontal sums are needed. Panels are shared out among
+ * the threads.
  *
  * Each output is its own accumulator lane summed over k in order, whatever the number of rows and
  * threads: a row's result is the same alone or with others (a decode step and a verification
- * agree to the bit). The vector types are GCC's generic vectors: 16 floats, one AVX-512 register,
- * two AVX2 ones, four NEON ones.
+ * agree to the bit). The vector types are GCC's generic vectors, one register wide.
  *
  * Built by native.py with -O3 -march=native -fopenmp; the loops run in torch's OpenMP pool.
  */
 #include <stdint.h>
 #include <string.h>
 
+/* VL: floats in one of the machine's vector registers. The kernel's vectors are that wide so that
+ * its accumulators stay in registers: GCC keeps a dozen vectors wider than the registers in memory
+ * (64-byte vectors on AVX2 made the product about twenty times slower). */
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
 #define NR 32
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
+#define NV (NR / VL) /* vectors across a panel */
+/* rows a micro-kernel takes at once: MR * NV accumulators, NV panel vectors and a broadcast fit
+ * the registers (AVX-512: 12 + 2 + 1 of 32; AVX2: 8 + 4 + 1 of 16; NEON: 16 + 8 + 1 of 32) */
+#if VL == 16
+#define MR 6
+#else
+#define MR 2
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4)));
 
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 static inline void store(float *p, vf v) { *(vf_unaligned *)p = v; }
@@ -36,37 +54,38 @@ void lightspec_pack(const float *restrict w, int64_t n, int64_t k, float *restri
             }
 }
 
-/* MR rows of x against one panel: y[r][0..cols) for r < MR, bias added. */
-#define MICRO(MR)                                                                                      \
-    static void micro_##MR(const float *restrict x, int64_t k, const float *restrict panel,           \
-                           const float *restrict bias, float *restrict y, int64_t ldy, int64_t cols) {  \
-        vf lo[MR], hi[MR];                                                                             \
-        for (int r = 0; r < MR; r++) lo[r] = hi[r] = (vf){0};                                          \
+/* ROWS (<= MR) rows of x against one panel: y[r][0..cols) for r < ROWS, bias added. */
+#define MICRO(ROWS)                                                                                    \
+    static void micro_##ROWS(const float *restrict x, int64_t k, const float *restrict panel,         \
+                             const float *restrict bias, float *restrict y, int64_t ldy, int64_t cols) { \
+        vf acc[ROWS][NV];                                                                              \
+        for (int r = 0; r < ROWS; r++)                                                                 \
+            for (int v = 0; v < NV; v++) acc[r][v] = (vf){0};                                          \
         for (int64_t t = 0; t < k; t++) {                                                              \
-            const vf w0 = load(panel + t * NR), w1 = load(panel + t * NR + 16);                        \
-            for (int r = 0; r < MR; r++) {                                                             \
+            vf w[NV];                                                                                  \
+            for (int v = 0; v < NV; v++) w[v] = load(panel + t * NR + v * VL);                         \
+            for (int r = 0; r < ROWS; r++) {                                                           \
                 const float xs = x[r * k + t];                                                         \
-                lo[r] += xs * w0;                                                                      \
-                hi[r] += xs * w1;                                                                      \
+                for (int v = 0; v < NV; v++) acc[r][v] += xs * w[v];                                   \
             }                                                                                          \
         }                                                                                              \
         float b[NR] = {0};                                                                             \
         if (bias) memcpy(b, bias, cols * sizeof(float));                                               \
-        for (int r = 0; r < MR; r++) {                                                                 \
-            lo[r] += load(b);                                                                          \
-            hi[r] += load(b + 16);                                                                     \
+        for (int r = 0; r < ROWS; r++) {                                                               \
             if (cols == NR) {                                                                          \
-                store(y + r * ldy, lo[r]);                                                             \
-                store(y + r * ldy + 16, hi[r]);                                                        \
+                for (int v = 0; v < NV; v++) store(y + r * ldy + v * VL, acc[r][v] + load(b + v * VL)); \
             } else {                                                                                   \
                 float tmp[NR];                                                                         \
-                store(tmp, lo[r]);                                                                     \
-                store(tmp + 16, hi[r]);                                                                \
+                for (int v = 0; v < NV; v++) store(tmp + v * VL, acc[r][v] + load(b + v * VL));        \
                 memcpy(y + r * ldy, tmp, cols * sizeof(float));                                        \
             }                                                                                          \
         }                                                                                              \
     }
+#if MR == 6
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
+#else
+MICRO(1) MICRO(2)
+#endif
 
 /* x: [m][k] contiguous, packed: lightspec_pack of w [n][k], bias: [n] or NULL, y: [m][n]. */
 void lightspec_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict packed, int64_t n,
@@ -79,6 +98,7 @@ void lightspec_linear(const float *restrict x, int64_t m, int64_t k, const float
         const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
         float *yp = y + p * NR;
         int64_t i = 0;
+#if MR == 6
         for (; i + 6 <= m; i += 6) micro_6(x + i * k, k, panel, b, yp + i * n, n, cols);
         switch (m - i) {
             case 5: micro_5(x + i * k, k, panel, b, yp + i * n, n, cols); break;
@@ -87,6 +107,10 @@ void lightspec_linear(const float *restrict x, int64_t m, int64_t k, const float
             case 2: micro_2(x + i * k, k, panel, b, yp + i * n, n, cols); break;
             case 1: micro_1(x + i * k, k, panel, b, yp + i * n, n, cols); break;
         }
+#else
+        for (; i + 2 <= m; i += 2) micro_2(x + i * k, k, panel, b, yp + i * n, n, cols);
+        if (i < m) micro_1(x + i * k, k, panel, b, yp + i * n, n, cols);
+#endif
     }
 }
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -128,3 +131,47 @@ def test_top1_is_torchs_first_maximum_with_ties_nan_and_infinities(rows, vocab, 
     assert np.array_equal(cpu_linear.top1(logits[:, : max(1, vocab // 2)]), logits[:, : max(1, vocab // 2)].max(-1).indices.numpy())  # a view
     monkeypatch.setenv(cpu_linear.ENV_SWITCH, "off")
     assert np.array_equal(cpu_linear.top1(logits), want)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def _products(library, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, threads: int) -> np.ndarray:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.lightspec_packed_size.argtypes, library.lightspec_packed_size.restype = [i64, i64], i64
+    library.lightspec_pack.argtypes = [p, i64, i64, p]
+    library.lightspec_linear.argtypes = [p, i64, i64, p, i64, p, p, ctypes.c_int]
+    (n, k), m = w.shape, x.shape[0]
+    panels = np.empty(library.lightspec_packed_size(n, k), np.float32)
+    library.lightspec_pack(w.ctypes.data, n, k, panels.ctypes.data)
+    y = np.empty((m, n), np.float32)
+    library.lightspec_linear(x.ctypes.data, m, k, panels.ctypes.data, n, None if b is None else b.ctypes.data,
+                             y.ctypes.data, threads)  # fmt: skip
+    return y
+
+
+@needs_kernel
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="the CPU runs no AVX2 code (x86 only)")
+def test_the_avx2_build_gives_the_same_bits_as_this_machines(tmp_path):
+    """Built for AVX2 the kernel's vectors are 8 floats and its blocks two rows (cpu_linear.c: a
+    vector wider than the registers is kept in memory). Every output is one lane's fused
+    multiply-adds in k order, so the AVX2 build's products equal this machine's build to the bit,
+    at every row remainder and thread count."""
+    flags = [f if f != "-march=native" else "-march=haswell" for f in native.STRICT_FLAGS]
+    avx2 = ctypes.CDLL(str(native.build(cpu_linear.SOURCE, out_dir=tmp_path, flags=flags)))
+    here = ctypes.CDLL(str(native.build(cpu_linear.SOURCE, out_dir=tmp_path, flags=native.STRICT_FLAGS)))
+    rng = np.random.default_rng(0)
+    for m, n, k in [(1, 4096, 256), (2, 70, 37), (3, 96, 704), (7, 33, 5), (13, 1408, 256)]:
+        x, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+        b = rng.standard_normal(n, dtype=np.float32) if m % 2 else None
+        want = _products(here, x, w, b, 2)
+        for threads in (1, 2):
+            got = _products(avx2, x, w, b, threads)
+            assert np.array_equal(got.view(np.int32), want.view(np.int32)), (m, n, k, threads)
+        ref = x.astype(np.float64) @ w.T.astype(np.float64) + (0 if b is None else b)
+        np.testing.assert_allclose(want, ref, atol=2e-5 * k**0.5, rtol=1e-5)
