@@ -47,6 +47,7 @@ STAGE_TENSORS: dict[type, list[TensorSpec]] = {
         TensorSpec("return_hidden", "BOOL", (1,)),
         TensorSpec("mtp_drafts", "INT32", (-1,)),
         TensorSpec("mtp_conf", "BOOL", (1,)),
+        TensorSpec("draft_chain", "INT32", (-1,)),
     ],
     ModelResult: [
         TensorSpec("top1_ids", "INT64", (-1,)),

@@ -118,9 +118,10 @@ class _Timer:
 
 
 def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False,
-                 fused: int = 0) -> ModelCall:
+                 fused: int = 0, chain: int = 0) -> ModelCall:
     """``b`` requests verifying ``k`` drafts each; ``fused``: each also asks for that many next drafts
-    from the stage's MTP heads (their rows stop at the first draft, as any mismatch does)."""
+    from the stage's MTP heads (their rows stop at the first draft, as any mismatch does); ``chain``:
+    a draft model's call drafting that many tokens per request (``ModelCall.draft_chain``)."""
     q = 1 + k
     return ModelCall(
         input_ids=np.full(b * q, 3, np.int64),
@@ -131,6 +132,7 @@ def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logit
         return_logits=np.array([logits]),
         return_hidden=np.array([hidden]),
         mtp_drafts=np.full(b if fused else 0, fused, np.int32),
+        draft_chain=np.full(b if chain else 0, chain, np.int32),
     )
 
 
@@ -262,10 +264,11 @@ def profile_propose(executor: Executor, spec: ProfileSpec, stages: set[str] = fr
     big_k = spec.max_k
     rows = []
     for b in profile_sizes(spec.max_num_seqs):
-        # a draft model proposes with k sequential steps of one token per request
-        step = timer("draft", _target_call(b, 0, ctx0, table, False)) if proposer == "draft" else 0.0
         for k in sorted({1, big_k}):
-            t = timer("mtp", _mtp_call(b, k, big_k, spec.hidden_size)) if proposer == "mtp" else k * step
+            if proposer == "mtp":
+                t = timer("mtp", _mtp_call(b, k, big_k, spec.hidden_size))
+            else:  # a draft model's chain of k drafts: k sequential steps of one token per request
+                t = timer("draft", _target_call(b, 0, ctx0, table, False, chain=k))
             rows.append((1.0, b * k, k, t))
     arr = np.array(rows)
     p0, p_draft, p_depth = _fit_nonneg(arr[:, :3], arr[:, 3])

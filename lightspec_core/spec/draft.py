@@ -16,11 +16,15 @@ class DraftModelProposer(StatelessProposer):
     tables as the target's (the lookahead blocks reserved for drafts cover its writes).
 
     It first catches up on the tokens it has not seen (prompt, accepted tokens, bonus), then feeds
-    its own drafts one at a time. K/V of a draft that is later rejected is simply overwritten: the
+    its own drafts one at a time: within the stage's call when every request is greedy, a call per
+    draft otherwise (a sampled draft is drawn here, from the logits). K/V of a draft that is later rejected is simply overwritten: the
     engine lowers ``draft_computed`` to the verified length."""
 
-    def __init__(self, executor: Executor):
+    def __init__(self, executor: Executor, chains: bool = True):
+        """``chains``: greedy requests draft in one stage call (False: a call per draft, as sampled
+        ones do; for comparison)."""
         self.executor = executor
+        self.chains = chains
 
     def after_verify(self, seq, result, b, rows, drafted, accepted, proposal) -> None:
         # K/V the draft model wrote for drafts beyond the verified length is stale: recompute from there
@@ -46,7 +50,7 @@ class DraftModelProposer(StatelessProposer):
                 qs.append(pr)
         return toks, qs
 
-    def _call(self, seqs, inputs: list[list[int]], starts: list[int], tables):
+    def _call(self, seqs, inputs: list[list[int]], starts: list[int], tables, chain: list[int] | None = None):
         ids = np.array([t for toks in inputs for t in toks], np.int64)
         pos = np.array([p for toks, s in zip(inputs, starts) for p in range(s, s + len(toks))], np.int64)
         qlens = np.array([len(t) for t in inputs], np.int32)
@@ -55,9 +59,9 @@ class DraftModelProposer(StatelessProposer):
             input_ids=ids, positions=pos, query_lens=qlens, block_tables=bt,
             sample_indices=(np.cumsum(qlens) - 1).astype(np.int64),
             return_logits=np.array([not s.params.greedy for s in seqs]), return_hidden=np.array([False]),
+            draft_chain=np.array(chain if chain is not None else [], np.int32),
         )
-        res = self.executor.submit("draft", call).result()
-        return self._pick(seqs, res.logits, res.top1_ids)
+        return self.executor.submit("draft", call).result()
 
     def propose(self, seqs, ks, tables, floors=None):
         idx, out = drafting(ks)
@@ -65,12 +69,22 @@ class DraftModelProposer(StatelessProposer):
             return out
         sub = [seqs[i] for i in idx]
         sub_tables = [tables[i] for i in idx]
-        drafts: list[list[int]] = [[] for _ in sub]
-        qs: list[list[np.ndarray]] = [[] for _ in sub]
         # catch up: every unseen known token, sample after the newest one
         inputs = [s.token_ids[s.draft_computed:] for s in sub]
         starts = [s.draft_computed for s in sub]
-        toks, q = self._call(sub, inputs, starts, sub_tables)
+        if self.chains and all(s.params.greedy for s in sub):
+            # greedy drafts need no proposal distribution: the stage feeds each request's drafts back
+            # itself, one call for the whole chain instead of one per draft (ModelCall.draft_chain)
+            chain = [ks[i] for i in idx]
+            res = self._call(sub, inputs, starts, sub_tables, chain)
+            for r, (i, s) in enumerate(zip(idx, sub)):
+                s.draft_computed = s.num_tokens + chain[r] - 1  # the last draft is not fed
+                out[i] = Proposal([int(t) for t in res.next_draft_ids[r, : chain[r]]], None)
+            return out
+        drafts: list[list[int]] = [[] for _ in sub]
+        qs: list[list[np.ndarray]] = [[] for _ in sub]
+        res = self._call(sub, inputs, starts, sub_tables)
+        toks, q = self._pick(sub, res.logits, res.top1_ids)
         for r, s in enumerate(sub):
             s.draft_computed = s.num_tokens
             drafts[r].append(toks[r])
@@ -78,8 +92,9 @@ class DraftModelProposer(StatelessProposer):
         for j in range(1, max(ks[i] for i in idx)):
             live = [r for r, i in enumerate(idx) if ks[i] > j]
             lsub = [sub[r] for r in live]
-            toks, q = self._call(lsub, [[drafts[r][-1]] for r in live],
-                                 [sub[r].num_tokens + j - 1 for r in live], [sub_tables[r] for r in live])
+            res = self._call(lsub, [[drafts[r][-1]] for r in live],
+                             [sub[r].num_tokens + j - 1 for r in live], [sub_tables[r] for r in live])
+            toks, q = self._pick(lsub, res.logits, res.top1_ids)
             for n, r in enumerate(live):
                 sub[r].draft_computed += 1
                 drafts[r].append(toks[n])

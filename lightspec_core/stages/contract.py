@@ -35,6 +35,11 @@ class ModelCall:
     # with fused drafts: also return each draft's confidence (an engine with a confidence stop);
     # without, the heads take an argmax, not the top two, and skip the confidence arithmetic
     mtp_conf: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # bool [1]
+    # A draft model's chain: per request, how many greedy drafts to return in next_draft_ids. The
+    # first is its sample row's top-1; each next one is the top-1 after feeding the one before, at
+    # the following position, in this call (a request needs one sample row, its last token's, and
+    # blocks in its table for the positions its drafts are fed at). Empty: no chain.
+    draft_chain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ModelResult:
     # Fused MTP (see ModelCall.mtp_drafts), [0, 0] / [0] without: each request's next drafts (-1
     # past its count; greedy chain), their confidences (as in MTPCall; 0 without mtp_conf) and the
     # drafts it accepted this step (-1 for a request without sample rows or without fused drafts).
+    # A draft model's chain (ModelCall.draft_chain) returns its drafts in next_draft_ids the same way.
     next_draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # int64 [B, K]
     next_draft_conf: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # fp32 [B, K]
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]

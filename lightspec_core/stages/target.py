@@ -42,26 +42,16 @@ class ModelRunner:
         self.kv = self.model.new_kv_cache(num_blocks, block_size, device=device)
 
     def execute(self, call: ModelCall) -> ModelResult:
-        dev = self.device
         tables = np.asarray(call.block_tables)
         # the native kernels write and read the pool where the tables point, unchecked
         if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= self.num_blocks):
             raise ValueError(f"block_tables: block ids must be in 0..{self.num_blocks - 1} (this stage's KV pool)")
-        batch = PagedBatch.build(  # index tensors built on the CPU, then moved to ``dev``
-            torch.from_numpy(np.ascontiguousarray(call.input_ids, dtype=np.int64)).to(dev),
-            torch.from_numpy(np.ascontiguousarray(call.positions, dtype=np.int64)),
-            [int(q) for q in call.query_lens],
-            torch.from_numpy(np.ascontiguousarray(call.block_tables, dtype=np.int32)),
-            self.block_size,
-            torch.from_numpy(np.ascontiguousarray(call.sample_indices, dtype=np.int64)),
-            self.config.num_key_value_heads,
-            self.config.head_dim,
+        chain = np.asarray(call.draft_chain, np.int32)
+        if chain.size:
+            self._check_chain(call, chain)
+        hidden, logits = self._forward(
+            call.input_ids, call.positions, [int(q) for q in call.query_lens], call.block_tables, call.sample_indices
         )
-        # one row: numpy's BLAS on this thread only, for llama.linear's numpy product where the native kernel is off
-        one_row = single_thread_blas() if len(batch.input_ids) == 1 else contextlib.nullcontext()
-        with torch.inference_mode(), one_row:
-            hidden = self.model.forward_paged(batch, self.kv)
-            logits = self.model.logits(hidden)
         h = self.config.hidden_size
         top1 = cpu_linear.top1(logits)
         result = ModelResult(
@@ -71,7 +61,67 @@ class ModelRunner:
         )
         if np.asarray(call.mtp_drafts).size:
             result.next_draft_ids, result.next_draft_conf, result.accepted = self._fused_drafts(call, top1, hidden)
+        if chain.size:
+            result.next_draft_ids = self._draft_chain(call, chain, top1)
         return result
+
+    def _forward(self, input_ids, positions, query_lens: list[int], block_tables, sample_indices):
+        """(final hidden states, logits) of the sample rows of one packed step."""
+        dev = self.device
+        batch = PagedBatch.build(  # index tensors built on the CPU, then moved to ``dev``
+            torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).to(dev),
+            torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)),
+            query_lens,
+            torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+            self.block_size,
+            torch.from_numpy(np.ascontiguousarray(sample_indices, dtype=np.int64)),
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+        )
+        # one row: numpy's BLAS on this thread only, for llama.linear's numpy product where the native kernel is off
+        one_row = single_thread_blas() if len(batch.input_ids) == 1 else contextlib.nullcontext()
+        with torch.inference_mode(), one_row:
+            hidden = self.model.forward_paged(batch, self.kv)
+            return hidden, self.model.logits(hidden)
+
+    def _check_chain(self, call: ModelCall, chain: np.ndarray) -> None:
+        b = len(call.query_lens)
+        if np.asarray(call.mtp_drafts).size:
+            raise ValueError("draft_chain: not with mtp_drafts (a chain is a draft model's, fused drafts the MTP heads')")
+        if chain.shape != (b,):
+            raise ValueError(f"draft_chain: {chain.size} values for {b} requests")
+        if int(chain.min()) < 0:
+            raise ValueError("draft_chain: values must be >= 0")
+        last = np.cumsum(np.asarray(call.query_lens, np.int64)) - 1
+        if not np.array_equal(np.asarray(call.sample_indices, np.int64), last):
+            raise ValueError("draft_chain: each request's one sample row must be its last token's")
+        # a request's drafts are fed at the positions after its last token: its table must hold them
+        fed = np.asarray(call.positions, np.int64)[last] + np.maximum(chain.astype(np.int64) - 1, 0)
+        width = np.asarray(call.block_tables).shape[1] * self.block_size
+        if b and int(fed.max()) >= width:
+            raise ValueError(f"draft_chain: a draft would be fed at position {int(fed.max())}, past its block table")
+
+    def _draft_chain(self, call: ModelCall, chain: np.ndarray, top1: np.ndarray) -> np.ndarray:
+        """int64 [B, max chain] (-1 past a request's count): each request's greedy drafts, the first
+        its sample row's top-1 and each next one the top-1 after feeding the one before. The K/V of
+        every fed draft stays in the pool, as a call per draft would leave it; only the drafts that
+        are fed again go through the model, without another call's packing and checks."""
+        b, k = len(chain), int(chain.max())
+        out = np.full((b, k), -1, np.int64)
+        if k == 0:
+            return out
+        out[:, 0] = np.where(chain >= 1, top1, -1)
+        pos = np.asarray(call.positions, np.int64)[np.asarray(call.sample_indices, np.int64)]
+        tables = np.asarray(call.block_tables)
+        live = np.arange(b)
+        for j in range(1, k):
+            live = live[chain[live] > j]
+            if not live.size:
+                break
+            n = len(live)
+            _, logits = self._forward(out[live, j - 1], pos[live] + j, [1] * n, tables[live], np.arange(n))
+            out[live, j] = cpu_linear.top1(logits)
+        return out
 
     def _fused_drafts(self, call: ModelCall, top1: np.ndarray, hidden: torch.Tensor):
         """Greedy verification of each request's drafts, then its next drafts from the MTP heads, in

@@ -58,6 +58,31 @@ def test_greedy_speculation_is_lossless(exactness_setup, method, policy, depth, 
         assert sum(o.num_accepted_tokens for o in outs) > 0, "no draft was ever accepted: the test proves nothing"
 
 
+def test_a_greedy_draft_chain_proposes_what_a_call_per_draft_does_in_one_call(exactness_setup, monkeypatch):
+    """The draft model's greedy drafts come from one stage call per step (``draft_chain``): the
+    same drafts, hence the same acceptance per request, as a call per draft, in fewer calls."""
+    root, prompts, params, ref = exactness_setup
+    results = {}
+    for chains in (True, False):
+        eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="draft", policy="static:3"))
+        try:
+            eng.proposer.chains = chains
+            calls = []
+
+            def submit(stage, call, calls=calls, inner=eng.executor.submit):
+                calls.append(stage)
+                return inner(stage, call)
+
+            monkeypatch.setattr(eng.executor, "submit", submit)
+            outs = eng.generate(prompts, params)
+        finally:
+            eng.close()
+        assert [o.output_token_ids for o in outs] == ref
+        results[chains] = [(o.num_draft_tokens, o.num_accepted_tokens) for o in outs], calls.count("draft")
+    assert results[True][0] == results[False][0] and sum(a for _, a in results[True][0]) > 0
+    assert results[True][1] < results[False][1] / 2
+
+
 @pytest.mark.parametrize("method", ["none", "mtp", "draft", "ngram"])
 def test_prefix_cache_skips_shared_prefill_and_keeps_outputs_exact(exactness_setup, method):
     """Requests that share a prompt prefix with earlier ones compute only the rest: the engine counts

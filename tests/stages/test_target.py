@@ -562,3 +562,72 @@ def test_a_block_id_outside_the_pool_is_refused_before_anything_is_written(defau
     with pytest.raises(ValueError, match=r"block_tables: block ids must be in 0\.\.7"):
         runner.execute(call)
     assert torch.equal(runner.kv, before)
+
+
+def _chain_call(reqs, tables, chain=None) -> ModelCall:
+    """reqs: (token ids, start position) per request; one sample row each, its last token's."""
+    qlens = np.array([len(t) for t, _ in reqs], np.int32)
+    bt = np.zeros((len(tables), max(len(t) for t in tables)), np.int32)
+    for r, t in enumerate(tables):
+        bt[r, : len(t)] = t
+    return ModelCall(
+        np.array([t for toks, _ in reqs for t in toks], np.int64),
+        np.array([p for toks, s in reqs for p in range(s, s + len(toks))], np.int64),
+        qlens,
+        bt,
+        (np.cumsum(qlens) - 1).astype(np.int64),
+        np.array([False]),
+        np.array([False]),
+        draft_chain=np.zeros(0, np.int32) if chain is None else np.array(chain, np.int32),
+    )
+
+
+def test_a_draft_chain_equals_a_call_per_draft_and_leaves_the_same_pool(default_model):
+    """``draft_chain``: one call returns what the draft model proposes with a call per draft (each
+    draft fed back at the next position), and leaves the K/V of every fed draft in the pool as
+    those calls do. Requests draft 4, 1, 0 and 2 tokens."""
+    chained = ModelRunner(default_model / "draft", num_blocks=32, block_size=4)
+    stepped = ModelRunner(default_model / "draft", num_blocks=32, block_size=4)
+    rng = np.random.default_rng(5)
+    vocab = chained.config.vocab_size
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (7, 5, 9, 3)]
+    tables = [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9, 10], [11, 12]]
+    chain = [4, 1, 0, 2]
+    reqs = [(p, 0) for p in prompts]
+    res = chained.execute(_chain_call(reqs, tables, chain))
+    assert res.next_draft_ids.shape == (4, 4)
+
+    first = stepped.execute(_chain_call(reqs, tables)).top1_ids
+    assert np.array_equal(first, res.top1_ids)
+    want = [[int(first[r])] if chain[r] else [] for r in range(4)]
+    for j in range(1, max(chain)):
+        live = [r for r in range(4) if chain[r] > j]
+        out = stepped.execute(_chain_call([([want[r][-1]], len(prompts[r]) + j - 1) for r in live],
+                                          [tables[r] for r in live])).top1_ids  # fmt: skip
+        for n, r in enumerate(live):
+            want[r].append(int(out[n]))
+    for r in range(4):
+        got = res.next_draft_ids[r]
+        assert got[: chain[r]].tolist() == want[r] and (got[chain[r] :] == -1).all()
+    assert torch.equal(chained.kv, stepped.kv)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"draft_chain": np.array([2], np.int32)}, r"draft_chain: 1 values for 2 requests"),
+        ({"draft_chain": np.array([2, -1], np.int32)}, r"draft_chain: values must be >= 0"),
+        ({"mtp_drafts": np.array([1, 1], np.int32)}, r"draft_chain: not with mtp_drafts"),
+        ({"sample_indices": np.array([0, 4], np.int64)}, r"one sample row must be its last token's"),
+        ({"draft_chain": np.array([1, 6], np.int32)}, r"position 8, past its block table"),
+    ],
+)
+def test_a_draft_chain_that_cannot_be_run_is_refused_before_anything_is_written(default_model, change, message):
+    runner = ModelRunner(default_model / "draft", num_blocks=8, block_size=4)
+    before = runner.kv.clone()
+    call = _chain_call([([5, 6, 7], 0), ([8, 9], 2)], [[0], [1, 2]], [2, 1])
+    for name, value in change.items():
+        setattr(call, name, value)
+    with pytest.raises(ValueError, match=message):
+        runner.execute(call)
+    assert torch.equal(runner.kv, before)
