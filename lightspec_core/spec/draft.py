@@ -17,14 +17,12 @@ class DraftModelProposer(StatelessProposer):
 
     It first catches up on the tokens it has not seen (prompt, accepted tokens, bonus), then feeds
     its own drafts one at a time: within the stage's call when every request is greedy, a call per
-    draft otherwise (a sampled draft is drawn here, from the logits). K/V of a draft that is later rejected is simply overwritten: the
-    engine lowers ``draft_computed`` to the verified length."""
+    draft otherwise (a sampled draft is drawn here, from the logits). K/V of a draft that is later
+    rejected is simply overwritten: the engine lowers ``draft_computed`` to the verified length."""
 
-    def __init__(self, executor: Executor, chains: bool = True):
-        """``chains``: greedy requests draft in one stage call (False: a call per draft, as sampled
-        ones do; for comparison)."""
+    def __init__(self, executor: Executor):
         self.executor = executor
-        self.chains = chains
+        self.chains = True  # greedy requests draft in one stage call (False: a call per draft, as sampled ones)
 
     def after_verify(self, seq, result, b, rows, drafted, accepted, proposal) -> None:
         # K/V the draft model wrote for drafts beyond the verified length is stale: recompute from there
