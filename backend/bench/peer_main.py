@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 from .peer import create_venv, default_venv, find_peer_python, peer_configs, peer_env, venv_plan, vllm_command
+from .peer_run import interleaved, run_peer_bench
 from .report import format_peer_ratios, format_peer_table, plot_peer, save_results
 from .runner import BenchPlan
-from .stats import mark_mismatches, peer_ratios, run_caveats
+from .stats import mark_mismatches, peer_comparison, run_caveats
 
 
 def _model_dirs(overrides: dict[str, str]) -> tuple[Path, Path]:
@@ -52,29 +53,35 @@ def _dry_run(args, plan: BenchPlan, overrides: dict[str, str]) -> int:
     print(f"vLLM environment variables: {env or '(vLLM defaults)'}")
     print("LightSpec configurations: " + " ".join(c.model_name for c in plan.configs))
     print("levels: " + " ".join(ld.label for ld in plan.loads) + f"; {plan.max_tokens} tokens per request")
+    items = interleaved(plan.configs, peer_configs(args.peer_configs, draft, args.max_draft_tokens))
+    order = ", ".join(cfg.model_name if kind == "lightspec" else f"vllm {cfg.config}" for kind, cfg in items)
+    print(f"at each level, in turn (reversed every other level): {order}")
     return 0
 
 
-def _report(args, argv: list[str], runs: list[dict], meta: dict) -> None:
-    ratios = peer_ratios(runs)
+def _report(args, argv: list[str], every: list[dict], meta: dict) -> None:
+    """``every``: every run of every round; the tables show each kind's median over the rounds."""
+    runs, ratios = peer_comparison(every)
+    rounds = len({r.get("repeat", 0) for r in every})
     print()
     print(format_peer_table(runs))
     print()
     print(format_peer_ratios(ratios))
-    differ = [r for r in runs if r["mismatches"]]
-    compared = sum(r["compared"] for r in runs)
-    print(f"\ntoken identity: {sum(r['mismatches'] for r in runs)} of {compared} requests differ from LightSpec none"
+    differ = [r for r in every if r["mismatches"]]
+    compared = sum(r["compared"] for r in every)
+    print(f"\ntoken identity: {sum(r['mismatches'] for r in every)} of {compared} requests differ from LightSpec none"
           + (f" (in {', '.join(sorted({str(r['concurrency']) for r in differ}))})" if differ else ""))  # fmt: skip
-    for note in run_caveats(runs):
+    for note in run_caveats(every, rounds=rounds > 1):
         print(note)
-    print(f"{len(runs)} runs in {meta['elapsed_s']:.0f}s")
-    save_results(args, argv, runs, ratios, meta, plot_peer)
+    print(
+        f"{len(every)} runs in {meta['elapsed_s']:.0f}s"
+        + (f", {rounds} rounds (tables: medians)" if rounds > 1 else "")
+    )
+    save_results(args, argv, runs, ratios, {**meta, "rounds": rounds}, plot_peer)
 
 
 def peer_main(args, argv: list[str], plan: BenchPlan, overrides: dict[str, str]) -> int:
     """The peer bench (:mod:`.peer_run`) from the parsed flags."""
-    from .peer_run import run_peer_bench
-
     if args.rate or args.url:
         raise SystemExit("--peer: closed-loop levels only, on servers the bench starts (no --rate, no --url)")
     if args.peer_dry_run:

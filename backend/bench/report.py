@@ -159,15 +159,21 @@ def format_peer_table(runs: list[dict]) -> str:
 
 
 def format_peer_ratios(rows: list[dict]) -> str:
-    """The rows of :func:`~lightspec_backend.bench.stats.peer_ratios`, one line each."""
+    """The rows of :func:`~lightspec_backend.bench.stats.peer_ratios`, one line each; where the rows
+    carry round-by-round ratios (:func:`~lightspec_backend.bench.stats.peer_comparison`), those too."""
     ratio = _num(".2f", suffix="x")
+    by_round = any("x_vllm_best_rounds" in r for r in rows)
     head = f"{'LightSpec against vLLM':<34} {'load':>5} {'tok/s':>8} {'x none':>7} {'x best':>7} (best)   lat x none"
-    lines = [head]
+    lines = [head + ("   x none by round   x best by round" if by_round else "")]
     for r in rows:
-        lines.append(
+        line = (
             f"{r['label']:<34} {'c=' + str(r['load']):>5} {r['throughput_tok_s']:8.1f} {ratio(r['x_vllm_none']):>7} "
             f"{ratio(r['x_vllm_best']):>7} {r['vllm_best']:<8} {ratio(r['latency_x_vllm_none']):>10}"
         )
+        if by_round:
+            line += "   " + " ".join(_num(".2f")(v) for v in r.get("x_vllm_none_rounds", []))
+            line += "   " + " ".join(_num(".2f")(v) for v in r.get("x_vllm_best_rounds", []))
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -79,24 +79,26 @@ def underloaded(runs: list[dict], fraction: float = 0.8) -> list[dict]:
     ]  # fmt: skip
 
 
-def _run_name(r: dict) -> str:
+def _run_name(r: dict, rounds: bool = False) -> str:
     server = r.get("server", "lightspec")
     level = f"c={r['concurrency']}" if r.get("concurrency") else f"rate={r.get('rate')}"
     name = r["model"] if server == "lightspec" else f"{server} {r['config']}"
-    return f"{name}{' ' + r['protocol'] if r.get('protocol') else ''} {level}"
+    rnd = f" round {r.get('repeat', 0) + 1}" if rounds else ""
+    return f"{name}{' ' + r['protocol'] if r.get('protocol') else ''} {level}{rnd}"
 
 
-def run_caveats(runs: list[dict], steal_threshold: float = 0.1) -> list[str]:
+def run_caveats(runs: list[dict], steal_threshold: float = 0.1, rounds: bool = False) -> list[str]:
     """Notes on runs whose figures say less than their level: :func:`underloaded` ones, and those
-    during which the hypervisor gave more than ``steal_threshold`` of the CPU to other machines."""
+    during which the hypervisor gave more than ``steal_threshold`` of the CPU to other machines.
+    ``rounds``: the runs are every round's, and each note names its run's round."""
     notes = []
     low = underloaded(runs)
     if low:
-        names = "; ".join(f"{_run_name(r)}: {r['mean_in_flight']:.1f} in flight" for r in low)
+        names = "; ".join(f"{_run_name(r, rounds)}: {r['mean_in_flight']:.1f} in flight" for r in low)
         notes.append(f"note: fewer requests in flight than the level (latency x throughput / tokens): {names}")
     stolen = [r for r in runs if (r.get("cpu_steal_share") or 0.0) > steal_threshold]
     if stolen:
-        names = "; ".join(f"{_run_name(r)}: {100 * r['cpu_steal_share']:.0f} %" for r in stolen)
+        names = "; ".join(f"{_run_name(r, rounds)}: {100 * r['cpu_steal_share']:.0f} %" for r in stolen)
         notes.append(f"note: CPU time taken by other machines on the host during: {names}")
     return notes
 
@@ -120,11 +122,13 @@ def kind_stats(records: list[Record]) -> dict[str, dict]:
 
 
 def median_runs(runs: list[dict]) -> list[dict]:
-    """Per (model, concurrency, rate): the run with the median throughput (the lower middle one for an
-    even count), with every repeat's throughput in ``throughput_repeats``; first-seen order."""
+    """Per run kind (server, model, configuration, client protocol, concurrency, rate): the run with
+    the median throughput (the lower middle one for an even count), with every repeat's throughput in
+    ``throughput_repeats``; first-seen order."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["model"], r["concurrency"], r.get("rate")), []).append(r)
+        kind = (r.get("server"), r["model"], r.get("config"), r.get("protocol"), r["concurrency"], r.get("rate"))
+        groups.setdefault(kind, []).append(r)
     out = []
     for rs in groups.values():
         ranked = sorted(rs, key=lambda r: r["throughput_tok_s"] or 0.0)
@@ -258,3 +262,22 @@ def peer_ratios(runs: list[dict]) -> list[dict]:
             "vllm_best": best["config"], "latency_x_vllm_none": _ratio(r, none, "mean_latency_s"),
         })  # fmt: skip
     return sorted(rows, key=lambda row: row["load"])
+
+
+def peer_comparison(runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(runs, :func:`peer_ratios` rows) of a peer bench. With several rounds (``repeat``), the runs
+    are each kind's :func:`median_runs` and the ratios those of the medians, each row with its
+    ratios round by round as well (``x_vllm_none_rounds``, ``x_vllm_best_rounds``: a round's
+    LightSpec run against the same round's vLLM runs, None where that round has no such pair)."""
+    rounds = sorted({r.get("repeat", 0) for r in runs})
+    if len(rounds) < 2:
+        return runs, peer_ratios(runs)
+    medians = median_runs(runs)
+    rows = peer_ratios(medians)
+    per = [{(x["load"], x["label"]): x for x in peer_ratios([r for r in runs if r.get("repeat", 0) == k])}
+           for k in rounds]  # fmt: skip
+    for row in rows:
+        key = (row["load"], row["label"])
+        for name in ("x_vllm_none", "x_vllm_best"):
+            row[name + "_rounds"] = [p[key][name] if key in p else None for p in per]
+    return medians, rows

@@ -35,3 +35,70 @@ def test_peer_bench_runs_both_servers_and_their_greedy_tokens_agree(peer_python,
         assert (r["errors"], r["output_tokens"], r["compared"], r["mismatches"]) == (0, 32, 2, 0), r
     assert "token identity: 0 of 12 requests differ from LightSpec none" in printed
     assert re.search(r"lightspec none http\s+c=2\s+[\d.]+\s+[\d.]+x\s+[\d.]+x\s+none", printed), printed
+
+
+# ---- the sweep's order and the rounds' report, without servers -------------------------------------------------
+def _configs():
+    from lightspec_backend.bench.configs import parse_configs
+    from lightspec_backend.bench.peer import peer_configs
+    from lightspec_backend.bench.runner import Load
+
+    ours = parse_configs(["none", "dynamic"], ["ngram", "mtp"])
+    return ours, peer_configs(["draft", "ngram", "none"], Path("draft")), [Load(1), Load(16)]
+
+
+def test_each_lightspec_configuration_runs_next_to_vllms_of_its_method_and_levels_alternate_direction():
+    from lightspec_backend.bench.peer_run import interleaved
+    from lightspec_backend.bench.runner import sweep_order
+
+    ours, peers, loads = _configs()
+    items = interleaved(ours, peers)
+    names = [c.model_name if kind == "lightspec" else f"vllm {c.config}" for kind, c in items]
+    assert names == ["lightspec_none", "vllm none", "lightspec_ngram_dynamic", "vllm ngram", "lightspec_mtp_dynamic",
+                     "vllm draft"]  # fmt: skip
+    order = sweep_order(items, loads, 0)
+    assert [item for item, _ in order[:6]] == items and [item for item, _ in order[6:]] == items[::-1]
+    assert [item for item, _ in sweep_order(items, loads, 1)[:6]] == items[::-1]  # the next round starts reversed
+
+
+def _run(server, config, method, load, rnd, tok_s, protocol="http"):
+    model = "vllm" if server == "vllm" else ("lightspec_none" if method == "none" else f"lightspec_{method}_{config}")
+    return {"server": server, "model": model, "config": config, "method": method, "protocol": protocol,
+            "concurrency": load, "rate": None, "repeat": rnd, "throughput_tok_s": tok_s, "mean_latency_s": 1.0}  # fmt: skip
+
+
+def test_runs_are_reported_by_configuration_level_client_and_round_whatever_order_they_ran_in():
+    from lightspec_backend.bench.peer_run import report_order
+
+    ours, peers, loads = _configs()
+    ran = [_run("vllm", "none", "none", 16, 0, 1), _run("lightspec", "dynamic", "mtp", 1, 0, 1),
+           _run("lightspec", "none", "none", 1, 1, 1, "grpc"), _run("lightspec", "none", "none", 1, 0, 1),
+           _run("lightspec", "none", "none", 1, 0, 1, "grpc"), _run("vllm", "draft", "draft", 1, 0, 1)]  # fmt: skip
+    got = [
+        (r["model"], r["config"], r["concurrency"], r["protocol"], r["repeat"])
+        for r in report_order(ran, ours, peers, loads)
+    ]
+    assert got == [("lightspec_none", "none", 1, "grpc", 0), ("lightspec_none", "none", 1, "grpc", 1),
+                   ("lightspec_none", "none", 1, "http", 0), ("lightspec_mtp_dynamic", "dynamic", 1, "http", 0),
+                   ("vllm", "draft", 1, "http", 0), ("vllm", "none", 16, "http", 0)]  # fmt: skip
+
+
+def test_rounds_report_the_median_runs_and_each_rounds_own_ratios():
+    from lightspec_backend.bench.report import format_peer_ratios
+    from lightspec_backend.bench.stats import peer_comparison
+
+    tok = {0: (300, 100, 150), 1: (240, 160, 120), 2: (330, 110, 100)}  # round: LightSpec MTP, vLLM none, ngram
+    runs = []
+    for rnd, (ours, none, ngram) in tok.items():
+        runs += [_run("lightspec", "dynamic", "mtp", 16, rnd, ours), _run("vllm", "none", "none", 16, rnd, none),
+                 _run("vllm", "ngram", "ngram", 16, rnd, ngram)]  # fmt: skip
+    medians, rows = peer_comparison(runs)
+    assert sorted((r["model"], r["config"], r["throughput_tok_s"]) for r in medians) == [
+        ("lightspec_mtp_dynamic", "dynamic", 300), ("vllm", "ngram", 120), ("vllm", "none", 110)]  # fmt: skip
+    (row,) = rows
+    assert row["x_vllm_none"] == pytest.approx(300 / 110) and row["x_vllm_best"] == pytest.approx(300 / 120)
+    assert row["x_vllm_none_rounds"] == pytest.approx([3.0, 1.5, 3.0])
+    assert row["x_vllm_best_rounds"] == pytest.approx([2.0, 1.5, 3.0])  # each round against its own best
+    assert "2.00 1.50 3.00" in format_peer_ratios(rows)
+    single, rows = peer_comparison([r for r in runs if r["repeat"] == 0])
+    assert len(single) == 3 and "x_vllm_best_rounds" not in rows[0]
