@@ -9,8 +9,8 @@ configuration, over gRPC (the bench's usual client) and over HTTP SSE (Triton's
 (``/v1/completions``) with the same SSE client. The two sides of a ratio run a minute or two apart
 instead of one whole server's sweep apart: on a shared host whose speed drifts from minute to
 minute (another machine's load shows as CPU steal), a sweep run entirely before the other's can
-lose a quarter of its speed to a drift the other never saw. An idle server waits on its sockets
-and takes no CPU from the one measured. With ``--repeats`` the interleaved sweep repeats in rounds
+lose a quarter of its speed to a drift the other never saw. An idle vLLM server took about 1 % of
+a core (sampled from /proc while LightSpec ran). With ``--repeats`` the interleaved sweep repeats in rounds
 on the same servers.
 
 Every run keeps its generated token ids, which are compared with LightSpec ``none``'s for the same

@@ -161,7 +161,7 @@ def format_peer_table(runs: list[dict]) -> str:
 def format_peer_ratios(rows: list[dict]) -> str:
     """The rows of :func:`~lightspec_backend.bench.stats.peer_ratios`, one line each; where the rows
     carry round-by-round ratios (:func:`~lightspec_backend.bench.stats.peer_comparison`), those too."""
-    ratio = _num(".2f", suffix="x")
+    ratio, plain = _num(".2f", suffix="x"), _num(".2f")
     by_round = any("x_vllm_best_rounds" in r for r in rows)
     head = f"{'LightSpec against vLLM':<34} {'load':>5} {'tok/s':>8} {'x none':>7} {'x best':>7} (best)   lat x none"
     lines = [head + ("   x none by round   x best by round" if by_round else "")]
@@ -171,8 +171,8 @@ def format_peer_ratios(rows: list[dict]) -> str:
             f"{ratio(r['x_vllm_best']):>7} {r['vllm_best']:<8} {ratio(r['latency_x_vllm_none']):>10}"
         )
         if by_round:
-            line += "   " + " ".join(_num(".2f")(v) for v in r.get("x_vllm_none_rounds", []))
-            line += "   " + " ".join(_num(".2f")(v) for v in r.get("x_vllm_best_rounds", []))
+            for name in ("x_vllm_none_rounds", "x_vllm_best_rounds"):
+                line += "   " + " ".join(plain(v) for v in r.get(name, []))
         lines.append(line)
     return "\n".join(lines)
 
