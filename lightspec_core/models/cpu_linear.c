@@ -1,12 +1,11 @@
 /* Linear layers on a CPU in float32: y[i][j] = x[i] . w[j] (+ bias[j]), from weights packed once.
  *
- * lightspec_pack lays a weight [n][k] out as panels of NR = 32 output rows, [n / NR][k][NR]
- * (the last panel zero-padded): a panel's k-th 32 values are one step of 32 dot products. The
- * product walks each panel once from memory and keeps it in cache while every activation row
- * uses it, MR rows at a time (six with AVX-512): per step of k, the panel's 32 values in NV vector
- * loads, MR broadcasts and MR * NV fused multiply-adds into as many vector accumulators, so the
- * loop runs at the FMA units' rate and no horizontal sums are needed. Panels are shared out among
- * the threads.
+ * lightspec_pack lays a weight [n][k] out as panels of NR output rows, [n / NR][k][NR] (the last
+ * panel zero-padded): a panel's k-th NR values are one step of NR dot products. The product walks
+ * each panel once from memory and keeps it in cache while every activation row uses it, MR rows at
+ * a time: per step of k, the panel's NR values in NV vector loads, MR broadcasts and MR * NV fused
+ * multiply-adds into as many vector accumulators, so the loop runs near the FMA units' rate and no
+ * horizontal sums are needed. Panels are shared out among the threads.
  *
  * Each output is its own accumulator lane summed over k in order, whatever the number of rows and
  * threads: a row's result is the same alone or with others (a decode step and a verification
@@ -27,15 +26,19 @@
 #else
 #define VL 4
 #endif
-#define NR 32
-#define NV (NR / VL) /* vectors across a panel */
-/* rows a micro-kernel takes at once: MR * NV accumulators, NV panel vectors and a broadcast fit
- * the registers (AVX-512: 12 + 2 + 1 of 32; AVX2: 8 + 4 + 1 of 16; NEON: 16 + 8 + 1 of 32) */
+/* The micro-kernel's shape: MR * NV accumulators, NV panel vectors and a broadcast fit the
+ * registers (AVX-512: 24 + 4 + 1 of 32; AVX2: 8 + 4 + 1 of 16; NEON: 16 + 8 + 1 of 32). On AVX-512
+ * four vectors across (NR = 64) run 1.2-1.4x as fast as two (6 x 32) at 60-320 rows of the default
+ * model's shapes on two threads: each broadcast row value feeds four FMAs instead of two, so the
+ * loop issues fewer loads per multiply-add (tools/bench_linear.py prints the rate). */
 #if VL == 16
+#define NR 64
 #define MR 6
 #else
+#define NR 32
 #define MR 2
 #endif
+#define NV (NR / VL) /* vectors across a panel */
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4)));
 
@@ -87,20 +90,29 @@ MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
 MICRO(1) MICRO(2)
 #endif
 
-/* x: [m][k] contiguous, packed: lightspec_pack of w [n][k], bias: [n] or NULL, y: [m][n]. */
+/* x: [m][k] contiguous, packed: lightspec_pack of w [n][k], bias: [n] or NULL, y: [m][n].
+ * A task is one panel and a stretch of rows: the whole of them where there are panels enough for
+ * every thread, else each panel's rows cut into as many stretches as it takes to give each thread
+ * work (a narrow layer on many cores). */
 void lightspec_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict packed, int64_t n,
                       const float *restrict bias, float *restrict y, int threads) {
     const int64_t panels = (n + NR - 1) / NR;
+    const int64_t blocks = (m + MR - 1) / MR; /* of MR rows */
+    int64_t cuts = panels >= threads ? 1 : (threads + panels - 1) / panels;
+    cuts = cuts < blocks ? cuts : blocks;
+    const int64_t stretch = (blocks + cuts - 1) / cuts * MR; /* rows of a task */
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t task = 0; task < panels * cuts; task++) {
+        const int64_t p = task / cuts, first = task % cuts * stretch;
+        const int64_t last = first + stretch < m ? first + stretch : m;
         const float *panel = packed + p * k * NR;
         const float *b = bias ? bias + p * NR : NULL;
         const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
         float *yp = y + p * NR;
-        int64_t i = 0;
+        int64_t i = first;
 #if MR == 6
-        for (; i + 6 <= m; i += 6) micro_6(x + i * k, k, panel, b, yp + i * n, n, cols);
-        switch (m - i) {
+        for (; i + 6 <= last; i += 6) micro_6(x + i * k, k, panel, b, yp + i * n, n, cols);
+        switch (last - i) {
             case 5: micro_5(x + i * k, k, panel, b, yp + i * n, n, cols); break;
             case 4: micro_4(x + i * k, k, panel, b, yp + i * n, n, cols); break;
             case 3: micro_3(x + i * k, k, panel, b, yp + i * n, n, cols); break;
@@ -108,8 +120,8 @@ void lightspec_linear(const float *restrict x, int64_t m, int64_t k, const float
             case 1: micro_1(x + i * k, k, panel, b, yp + i * n, n, cols); break;
         }
 #else
-        for (; i + 2 <= m; i += 2) micro_2(x + i * k, k, panel, b, yp + i * n, n, cols);
-        if (i < m) micro_1(x + i * k, k, panel, b, yp + i * n, n, cols);
+        for (; i + 2 <= last; i += 2) micro_2(x + i * k, k, panel, b, yp + i * n, n, cols);
+        if (i < last) micro_1(x + i * k, k, panel, b, yp + i * n, n, cols);
 #endif
     }
 }

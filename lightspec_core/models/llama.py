@@ -42,9 +42,9 @@ NATIVE = "native"  # a step plan's entry for a group that cpu_attention's kernel
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except for float32 on a CPU outside autograd: cpu_linear's kernel (about twice
-    torch's speed from one row to a thousand, see cpu_linear.py), or where that kernel is not had,
-    numpy's matrix-vector product for one row (also about twice torch's speed; the caller keeps
+    """``F.linear``, except for float32 on a CPU outside autograd: cpu_linear's kernel (each row's
+    bits independent of the others', and faster than torch's at a few rows, see cpu_linear.py), or
+    where that kernel is not had, numpy's matrix-vector product for one row (the caller keeps
     numpy's BLAS on one thread: ``mtp_heads.single_thread_blas``)."""
     if cpu_linear.usable(x, weight):
         return cpu_linear.linear(x, weight, bias)

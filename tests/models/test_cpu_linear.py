@@ -175,3 +175,18 @@ def test_the_avx2_build_gives_the_same_bits_as_this_machines(tmp_path):
             assert np.array_equal(got.view(np.int32), want.view(np.int32)), (m, n, k, threads)
         ref = x.astype(np.float64) @ w.T.astype(np.float64) + (0 if b is None else b)
         np.testing.assert_allclose(want, ref, atol=2e-5 * k**0.5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n", [(13, 40), (70, 130), (5, 7)])
+def test_a_narrow_layer_cuts_its_rows_among_threads_and_keeps_every_rows_bits(m, n, tmp_path):
+    """With fewer panels than threads a panel's rows are cut into stretches, one per thread
+    (cpu_linear.c): every row is still the bits it has alone on one thread."""
+    lib = ctypes.CDLL(str(native.build(cpu_linear.SOURCE, out_dir=tmp_path, flags=native.STRICT_FLAGS)))
+    rng = np.random.default_rng(m * n)
+    x, w = rng.standard_normal((m, 256), dtype=np.float32), rng.standard_normal((n, 256), dtype=np.float32)
+    b = rng.standard_normal(n, dtype=np.float32)
+    alone = np.concatenate([_products(lib, x[i : i + 1], w, b, 1) for i in range(m)])
+    for threads in (2, 3, 8):
+        got = _products(lib, x, w, b, threads)
+        assert np.array_equal(got.view(np.int32), alone.view(np.int32)), threads
