@@ -100,7 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, policy, self.acceptance, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    k, cfg.kv_high_water, cfg.speculative)
         self._plans_with_cost = isinstance(policy, DynamicPolicy)
-        self.proposer = make_proposer(cfg, self.executor, min(k, getattr(policy, "k", k)))  # a static depth: no deeper
+        self.proposer = make_proposer(cfg, self.executor, k)
         self.seqs: dict[str, Sequence] = {}
         self._inflight: deque[InFlight] = deque()
         self._aborts: list[str] = []
@@ -233,7 +233,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         num_drafts = sum(len(p.draft_ids) for p in props)
         self._observe_proposals(plan, props, num_drafts, t1 - t0)
-        packed = pack_step(plan, props, tables, self.proposer.target_inputs(plan.items))
+        packed = pack_step(plan, props, tables, self.proposer.target_inputs(seqs, [it.samples for it in plan.items]))
         t_submit = time.perf_counter()
         fut = self.executor.submit("target", packed.call)
         fut.add_done_callback(_stamp_done)

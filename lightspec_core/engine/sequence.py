@@ -48,7 +48,6 @@ class Sequence:
         self.fused_ids: list[int] | None = None
         self.fused_conf: list[float] | None = None
         self.fused_at = -1
-        self.fused_room = 1 << 30  # how many of them there are: the most the policy may give it next
         self.ngram_index = None  # the n-gram proposer's incremental index of token_ids (NgramIndex)
         self.warm = False  # a sampled step completed since (re)admission: proposers have their inputs
         self.num_draft = 0

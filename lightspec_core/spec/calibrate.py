@@ -27,7 +27,6 @@ import numpy as np
 from ..config import EngineConfig, SpecMethod
 from ..stages.contract import ModelCall, MTPCall
 from .cost import ProposeCost, VerifyCost
-from .proposer import fused_depth
 
 if TYPE_CHECKING:
     from ..models.llama import LlamaConfig
@@ -46,8 +45,8 @@ class ProfileSpec:
     hidden_size: int
     reps: int = 3
     vocab_size: int = 0  # for timing the target distribution of sampled rows (0: not timed)
-    # fused MTP: the target stage runs the heads for every greedy request of a step (one draft more
-    # than it verifies, see spec.mtp.fused_depth), so the profiled target calls do too
+    # fused MTP: the target stage runs the heads for every greedy request of a step (K drafts each,
+    # whatever k it verifies), so the profiled target calls do too
     fused_mtp: bool = False
 
     @classmethod
@@ -212,7 +211,7 @@ def profile_verify(executor: Executor, spec: ProfileSpec, stages: set[str] = fro
     hidden = spec.method is SpecMethod.MTP and not fused
 
     def target(b: int, k: int, ctx: int, logits: bool = False) -> ModelCall:
-        return _target_call(b, k, ctx, table, hidden, logits, fused and fused_depth(fused, k))
+        return _target_call(b, k, ctx, table, hidden, logits, fused)
 
     sizes = profile_sizes(spec.max_num_seqs)
     fixed, drafted = [], []  # drafted: (drafts, extra seconds) at each size, or None

@@ -9,7 +9,7 @@ import numpy as np
 from ..stages.contract import MTPCall
 from ..stages.executor import Executor
 from .acceptance import ConfidenceStats
-from .proposer import Proposal, drafting, fused_depth, sampling_arrays
+from .proposer import Proposal, drafting, sampling_arrays
 
 log = logging.getLogger("lightspec")
 
@@ -30,14 +30,13 @@ class MTPProposer:
         self.fused = fused
         self.confidence = ConfidenceStats(max_k) if confidence_stop else None
 
-    def target_inputs(self, items) -> dict[str, np.ndarray]:
-        greedy = [it.seq.params.greedy for it in items]
+    def target_inputs(self, seqs, samples) -> dict[str, np.ndarray]:
+        greedy = [s.params.greedy for s in seqs]
         # with fused drafts, only sampled requests draft from a hidden state in this process
         inputs = {"return_hidden": np.array([not self.fused or not all(greedy)])}
-        if self.fused:  # a decoding request feeds one known token, a prompt chunk more
-            inputs["mtp_drafts"] = np.array([
-                fused_depth(it.seq.draft_cap(self.max_k), it.k if it.num_new == 1 else None) if it.samples and g else 0
-                for it, g in zip(items, greedy)], np.int32)
+        if self.fused:
+            inputs["mtp_drafts"] = np.array([s.draft_cap(self.max_k) if smp and g else 0
+                                             for s, smp, g in zip(seqs, samples, greedy)], np.int32)
             inputs["mtp_conf"] = np.array([self.confidence is not None])
         return inputs
 
@@ -106,7 +105,6 @@ def _keep_fused(seq, res, b: int, accepted: int) -> None:
     """Keep the drafts the target stage proposed for this request's next step. They continue from
     the stage's own greedy verification, which must agree with the engine's."""
     seq.fused_ids = seq.fused_conf = None
-    seq.fused_room = 1 << 30
     if int(res.accepted[b]) < 0:  # none asked for (no sample row, or no draft allowed)
         return
     if int(res.accepted[b]) != accepted:
@@ -118,4 +116,3 @@ def _keep_fused(seq, res, b: int, accepted: int) -> None:
     seq.fused_ids = row[:n].tolist()
     seq.fused_conf = res.next_draft_conf[b, :n].tolist()
     seq.fused_at = seq.num_tokens
-    seq.fused_room = n  # the heads ran one draft deeper than this step's (see fused_depth), no more

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..engine.scheduler import ScheduledSeq
     from ..engine.sequence import Sequence
     from ..stages.contract import ModelResult
 
@@ -36,10 +35,9 @@ class Proposer(Protocol):
         proposer that can estimate one stops drafting below it; the others ignore it)."""
         ...
 
-    def target_inputs(self, items: list[ScheduledSeq]) -> dict[str, np.ndarray]:
-        """Fields of the step's target call (``ModelCall``) this proposer sets, for the step's
-        requests (the scheduler's items: each one's sequence, whether its outputs are verified this
-        step, its drafts and whether it feeds a prompt chunk)."""
+    def target_inputs(self, seqs: list[Sequence], samples: list[bool]) -> dict[str, np.ndarray]:
+        """Fields of the step's target call (``ModelCall``) this proposer sets; ``samples[b]``:
+        request b's outputs are verified this step."""
         ...
 
     def after_verify(self, seq: Sequence, result: ModelResult, b: int, rows: list[int], drafted: int,
@@ -64,19 +62,10 @@ def drafting(ks: list[int]) -> tuple[list[int], list[Proposal]]:
     return [i for i, k in enumerate(ks) if k > 0], [EMPTY] * len(ks)
 
 
-def fused_depth(cap: int, k: int | None) -> int:
-    """How many next drafts the heads make for a request that verifies ``k`` drafts this step (None:
-    a prompt chunk) and may draft ``cap``: one more than it verifies. The policy moves a request's
-    depth a step at a time, and the heads run per draft: under load, where the policy gives most
-    requests one or two drafts, heads run to their full depth for every request cost a fifth of a
-    step at batch 64 on a CPU. After a prompt there is no decision yet: the full cap."""
-    return cap if k is None else min(cap, k + 1)
-
-
 class StatelessProposer:
     """A proposer that needs nothing from the target's step (the protocol's hooks as no-ops)."""
 
-    def target_inputs(self, items) -> dict[str, np.ndarray]:
+    def target_inputs(self, seqs, samples) -> dict[str, np.ndarray]:
         return {}
 
     def after_verify(self, seq, result, b, rows, drafted, accepted, proposal) -> None:

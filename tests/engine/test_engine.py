@@ -413,37 +413,6 @@ def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_
     assert [o.output_token_ids for o in fused_out] == [o.output_token_ids for o in plain]
 
 
-@pytest.mark.parametrize("policy", ["static:1", "dynamic"])
-def test_fused_heads_draft_one_deeper_than_the_step_and_the_policy_stays_within_them(exactness_setup, policy):
-    """The target stage's heads make one draft more than a decoding request verifies (a prompt's
-    last chunk: the full depth; a static depth: never deeper), and the policy never grants more
-    drafts than the heads left: no granted slot goes unfilled, output stays plain greedy."""
-    root, prompts, params, ref = exactness_setup
-    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy=policy, mtp="fused"))
-    asked = []  # (drafts verified, next drafts asked) per decoding request and step
-    submit = eng.executor.submit
-
-    def spy(stage, call):
-        if stage == "target" and call.mtp_drafts.size:
-            for q, want in zip(call.query_lens, call.mtp_drafts):
-                asked.append((int(q) - 1, int(want)))
-        return submit(stage, call)
-
-    eng.executor.submit = spy
-    try:
-        outs = eng.generate(prompts, params)
-    finally:
-        eng.close()
-    assert [o.output_token_ids for o in outs] == ref
-    decoding = [(k, want) for k, want in asked if k < 8]  # prompt chunks feed more rows
-    assert decoding and all(want <= k + 1 for k, want in decoding)
-    if policy == "static:1":
-        assert {want for _, want in asked} <= {0, 1}
-    else:  # the full depth after a prompt, and deeper drafts where the policy grew a request's
-        assert max(want for _, want in asked) == eng.scheduler.max_k
-    assert eng.stats.counters["spec_decode_num_stopped_drafts_total"] == 0
-
-
 class LateAnswerExecutor:
     """Delivers each target answer ``delay`` seconds after the stage stamped it (``t_done``): what a
     thread that keeps the interpreter after the answer arrives does to a done-callback's stamp."""
