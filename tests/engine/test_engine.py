@@ -413,6 +413,28 @@ def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_
     assert [o.output_token_ids for o in fused_out] == [o.output_token_ids for o in plain]
 
 
+def test_fused_heads_under_a_static_policy_draft_its_depth_only(exactness_setup):
+    """The target stage's heads make as many next drafts as a static policy verifies, not one per
+    head (each costs a head's pass over the batch's rows), and output stays plain greedy."""
+    root, prompts, params, ref = exactness_setup
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="static:1", mtp="fused"))
+    asked = []
+    submit = eng.executor.submit
+
+    def spy(stage, call):
+        if stage == "target":
+            asked.extend(int(n) for n in call.mtp_drafts)
+        return submit(stage, call)
+
+    eng.executor.submit = spy
+    try:
+        outs = eng.generate(prompts, params)
+    finally:
+        eng.close()
+    assert [o.output_token_ids for o in outs] == ref
+    assert max(asked) == 1 and sum(o.num_accepted_tokens for o in outs) > 0
+
+
 class LateAnswerExecutor:
     """Delivers each target answer ``delay`` seconds after the stage stamped it (``t_done``): what a
     thread that keeps the interpreter after the answer arrives does to a done-callback's stamp."""
