@@ -28,9 +28,9 @@
 #endif
 /* The micro-kernel's shape: MR * NV accumulators, NV panel vectors and a broadcast fit the
  * registers (AVX-512: 24 + 4 + 1 of 32; AVX2: 8 + 4 + 1 of 16; NEON: 16 + 8 + 1 of 32). On AVX-512
- * four vectors across (NR = 64) run 1.2-1.4x as fast as two (6 x 32) at 60-320 rows of the default
- * model's shapes on two threads: each broadcast row value feeds four FMAs instead of two, so the
- * loop issues fewer loads per multiply-add (tools/bench_linear.py prints the rate). */
+ * four vectors across (NR = 64) ran 1.13-1.21x as fast as two (6 x 32) at 16-320 rows of the
+ * default model's layer shapes on two threads (the LM head's about the same): each broadcast row
+ * value feeds four FMAs instead of two, so the loop issues fewer loads per multiply-add. */
 #if VL == 16
 #define NR 64
 #define MR 6
@@ -96,6 +96,7 @@ MICRO(1) MICRO(2)
  * work (a narrow layer on many cores). */
 void lightspec_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict packed, int64_t n,
                       const float *restrict bias, float *restrict y, int threads) {
+    if (m <= 0) return;
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t blocks = (m + MR - 1) / MR; /* of MR rows */
     int64_t cuts = panels >= threads ? 1 : (threads + panels - 1) / panels;

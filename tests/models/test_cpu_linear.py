@@ -16,7 +16,7 @@ needs_kernel = pytest.mark.skipif(cpu_linear.kernel() is None, reason="no C comp
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 70])  # whole blocks of six rows and every remainder
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 70])  # none, whole blocks of six rows and every remainder
 @pytest.mark.parametrize("n, k, bias", [(96, 40, True), (4096, 256, False), (7, 704, True), (33, 3, False)])
 def test_equals_torchs_product(rows, n, k, bias):
     gen = torch.Generator().manual_seed(rows * n + k)
