@@ -100,7 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, policy, self.acceptance, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    k, cfg.kv_high_water, cfg.speculative)
         self._plans_with_cost = isinstance(policy, DynamicPolicy)
-        self.proposer = make_proposer(cfg, self.executor, min(k, getattr(policy, "k", k)))  # a static depth: no deeper
+        self.proposer = make_proposer(cfg, self.executor, min(k, policy.k) if isinstance(policy, StaticPolicy) else k)
         self.seqs: dict[str, Sequence] = {}
         self._inflight: deque[InFlight] = deque()
         self._aborts: list[str] = []

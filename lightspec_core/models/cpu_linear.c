@@ -28,9 +28,9 @@
 #endif
 /* The micro-kernel's shape: MR * NV accumulators, NV panel vectors and a broadcast fit the
  * registers (AVX-512: 24 + 4 + 1 of 32; AVX2: 8 + 4 + 1 of 16; NEON: 16 + 8 + 1 of 32). On AVX-512
- * four vectors across (NR = 64) ran 1.13-1.21x as fast as two (6 x 32) at 16-320 rows of the
- * default model's layer shapes on two threads (the LM head's about the same): each broadcast row
- * value feeds four FMAs instead of two, so the loop issues fewer loads per multiply-add. */
+ * four vectors across (NR = 64) ran 1.13-1.21x as fast as two (6 x 32) at 64-320 rows of the
+ * default model's layer shapes on two threads, 1.09-1.14x at 16 (the LM head's 0.88-1.01x): each
+ * broadcast row value feeds four FMAs instead of two, so the loop issues fewer loads per FMA. */
 #if VL == 16
 #define NR 64
 #define MR 6

@@ -179,10 +179,10 @@ def test_the_avx2_build_gives_the_same_bits_as_this_machines(tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize("m, n", [(13, 40), (70, 130), (5, 7)])
-def test_a_narrow_layer_cuts_its_rows_among_threads_and_keeps_every_rows_bits(m, n, tmp_path):
+def test_a_narrow_layer_cuts_its_rows_among_threads_and_keeps_every_rows_bits(m, n):
     """With fewer panels than threads a panel's rows are cut into stretches, one per thread
     (cpu_linear.c): every row is still the bits it has alone on one thread."""
-    lib = ctypes.CDLL(str(native.build(cpu_linear.SOURCE, out_dir=tmp_path, flags=native.STRICT_FLAGS)))
+    lib = native.library(cpu_linear.SOURCE, flags=native.STRICT_FLAGS)  # the build the model loads
     rng = np.random.default_rng(m * n)
     x, w = rng.standard_normal((m, 256), dtype=np.float32), rng.standard_normal((n, 256), dtype=np.float32)
     b = rng.standard_normal(n, dtype=np.float32)
