@@ -104,7 +104,8 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
             reporter = None
     gc.collect()
     gc.freeze()  # what the model loaded (modules, tokenizer, engine): never scanned by a collection again
-    orchestrator = Orchestrator(engine, pb_utils, reporter, control=control, restarts=restarts_from_env())
+    orchestrator = Orchestrator(engine, pb_utils, reporter, control=control, restarts=restarts_from_env(),
+                                response_threads=config.response_threads)
     return _OrchestratorModel(orchestrator, engine, reporter)
 
 

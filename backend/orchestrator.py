@@ -50,7 +50,8 @@ class _Entry:
     abort_queued: bool = False
     cancel_message: str = ""  # set when the drain deadline cancels it: its final is CANCELLED
     shutting_down: bool = False
-    closed: bool = False  # FINAL sent (or attempted); set by the response thread only
+    closed: bool = False  # FINAL sent (or attempted); set by its response thread only
+    shard: int = 0  # which response thread sends its responses (one, so that they keep their order)
     # Serialises is_cancelled() with send(): in Triton 2.51, is_cancelled() on a sender whose FINAL
     # response went out (or is going out) reads a freed response factory and crashes the server.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -78,8 +79,11 @@ class Orchestrator:
         metrics_interval_s: float = 0.25,
         control: ControlDir | None = None,
         restarts: int = 0,
+        response_threads: int = 1,
     ):
-        """``control``: the supervisor's drain requests; ``restarts``: its restarts before this one."""
+        """``control``: the supervisor's drain requests; ``restarts``: its restarts before this one;
+        ``response_threads``: threads sending responses, each request's through one of them (see
+        ``BackendConfig.response_threads``)."""
         self.engine = engine
         self.pb = pb_utils
         self.log = pb_utils.Logger
@@ -94,7 +98,7 @@ class Orchestrator:
         self._live: dict[str, _Entry] = {}
         self._live_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
+        self._outboxes: list[queue.Queue] = [queue.Queue() for _ in range(max(1, response_threads))]
         self._metrics_q: queue.Queue = queue.Queue()
         self._in_engine: set[str] = set()  # engine loop only
         self._held: list[tuple[_Entry, object]] = []  # engine loop only: the last step's responses
@@ -102,9 +106,11 @@ class Orchestrator:
         self._stopping = threading.Event()
         self.drain = Drain(control)
         self.restarts = restarts
+        self._senders = [threading.Thread(target=self._response_loop, args=(q,), name=f"lightspec-responses-{i}",
+                                          daemon=True) for i, q in enumerate(self._outboxes)]
         self._threads = [
             threading.Thread(target=self._engine_loop, name="lightspec-engine", daemon=True),
-            threading.Thread(target=self._response_loop, name="lightspec-responses", daemon=True),
+            *self._senders,
             threading.Thread(target=self._watch_cancellation, name="lightspec-cancel", daemon=True),
         ]
         if reporter is not None:
@@ -126,13 +132,14 @@ class Orchestrator:
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        entry = _Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request)
+        entry = _Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request,
+                       shard=int(rid[3:]) % len(self._outboxes))
         try:
             parsed = parse_request(get, self.max_model_len, self.vocab_size, request_parameters(request))
         except ValueError as e:
             self.engine.stats.count_rejected()
             self._register(entry)
-            self._outbox.put((entry, _Error("INVALID_ARG", str(e))))
+            self._post((entry, _Error("INVALID_ARG", str(e))))
             self._inbox.put(("rejected", None))  # the engine loop publishes the failure count
             return
         entry.state.request = parsed
@@ -194,13 +201,13 @@ class Orchestrator:
 
     def _add(self, entry: _Entry) -> None:
         if entry.abort_queued:  # cancelled while queued: never reaches the engine
-            self._outbox.put((entry, _Error("CANCELLED", "request cancelled")))
+            self._post((entry, _Error("CANCELLED", "request cancelled")))
             return
         req = entry.state.request
         try:
             self.engine.add_request(entry.id, req.prompt, req.params)
         except ValueError as e:  # prompt too long, max_tokens beyond the context, ... (the engine counts it)
-            self._outbox.put((entry, _Error("INVALID_ARG", name_prompt_error(req, e))))
+            self._post((entry, _Error("INVALID_ARG", name_prompt_error(req, e))))
             return
         self._in_engine.add(entry.id)
 
@@ -246,14 +253,14 @@ class Orchestrator:
 
     def _release_held(self) -> None:
         for item in self._held:
-            self._outbox.put(item)
+            self._post(item)
         self._held.clear()
 
     def _finish_with_error(self, rid: str, code: str, message: str) -> None:
         with self._live_lock:
             entry = self._live.get(rid)
         if entry is not None:
-            self._outbox.put((entry, _Error(code, message)))
+            self._post((entry, _Error(code, message)))
 
     def _drain_engine(self, max_steps: int = 1000) -> None:
         """Shutdown: abort everything in the engine, flush the resulting finals, fail the queue."""
@@ -270,7 +277,7 @@ class Orchestrator:
         self._release_held()
         for cmd in self._take_commands(block=False):
             if cmd is not _STOP and cmd[0] == "add":
-                self._outbox.put((cmd[1], _Error("UNAVAILABLE", "the model is shutting down")))
+                self._post((cmd[1], _Error("UNAVAILABLE", "the model is shutting down")))
         self._maybe_publish(force=True)
 
     def _maybe_publish(self, force: bool) -> None:
@@ -285,9 +292,13 @@ class Orchestrator:
 
     # -- response thread ------------------------------------------------------------------------
 
-    def _response_loop(self) -> None:
+    def _post(self, item) -> None:
+        """Queues (entry, payload) for the entry's response thread."""
+        self._outboxes[item[0].shard].put(item)
+
+    def _response_loop(self, outbox: queue.Queue) -> None:
         while True:
-            item = self._outbox.get()
+            item = outbox.get()
             if item is None:
                 return
             entry, payload = item
@@ -387,14 +398,17 @@ class Orchestrator:
         """End every in-flight request with a final response, then stop all threads."""
         self._stopping.set()
         self._inbox.put(_STOP)
-        engine_thread, response_thread, *others = self._threads
+        engine_thread = self._threads[0]
+        others = [t for t in self._threads[1:] if t not in self._senders]
         engine_thread.join(timeout_s)
         with self._live_lock:
             leftovers = [e for e in self._live.values() if not e.closed]
         for entry in leftovers:  # queued but never added, or the engine thread is stuck
-            self._outbox.put((entry, _Error("UNAVAILABLE", "the model is shutting down")))
-        self._outbox.put(None)
-        response_thread.join(timeout_s)
+            self._post((entry, _Error("UNAVAILABLE", "the model is shutting down")))
+        for q in self._outboxes:
+            q.put(None)
+        for t in self._senders:
+            t.join(timeout_s)
         self._metrics_q.put(None)
         for t in others:
             t.join(timeout_s)

@@ -38,6 +38,7 @@ MTP_STAGE_MODEL = "lightspec_mtp"  # the generated repository's MTP stage model 
 FRONT_TARGET_PARAM = ("orchestrator_model", "lightspec")  # the batched front's target model
 BACKEND_PARAMS = ("role", "metrics", FRONT_TARGET_PARAM[0], *(p for p, _ in STAGE_MODEL_PARAMS.values()))
 BACKEND_PARAMS += ("stage_timeout_s",)  # the orchestrator's deadline for one stage call (lightspec_backend.bls)
+BACKEND_PARAMS += ("response_threads",)  # the orchestrator's threads sending responses (see BackendConfig)
 # Where the orchestrator's engine runs its stages: ``triton``, the stage models reached by BLS (each
 # replaceable by another engine, e.g. TensorRT on a GPU); ``local``, in the orchestrator's own
 # process, as the library does: no BLS round trip and no tensor copies through the stub per step,
@@ -67,6 +68,11 @@ class BackendConfig:
     orchestrator_model: str = FRONT_TARGET_PARAM[1]  # role batched: the model it forwards to
     stage_timeout_s: float = 30.0  # a stage call unanswered this long fails its step UNAVAILABLE
     stages: str = STAGES_PROCESS  # ``local``/``process``: every stage with the orchestrator's engine
+    # Each response the stub sends is a round trip to the server that waits for the server's answer
+    # (Triton 2.51's Python backend): one thread sends one response at a time, and at 64 streams it
+    # spends most of its time waiting. Several threads keep several round trips under way; a
+    # request's responses all go through one of them, so they keep their order.
+    response_threads: int = 4
 
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls by BLS with this speculation method."""
@@ -203,11 +209,12 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     if not 0 < stage_timeout_s < 1e6:
         raise _bad("stage_timeout_s", timeout, "expected a positive number of seconds")
     stages = _stages(params)
+    response_threads = _positive_int(params, "response_threads", BackendConfig.response_threads, 64)
     if stages in STAGES_IN_ORCHESTRATOR and not params.get("decode_threads", "").strip():
         engine = dataclasses.replace(engine, decode_threads=serving_decode_threads(engine.num_threads, available_cpus()))
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
                          orchestrator_model=front_target, stage_timeout_s=stage_timeout_s,
-                         stages=stages)  # fmt: skip
+                         stages=stages, response_threads=response_threads)  # fmt: skip
 
 
 def serving_decode_threads(num_threads: int, cpus: int) -> int:
@@ -219,6 +226,19 @@ def serving_decode_threads(num_threads: int, cpus: int) -> int:
     docs/benchmarks.md). Calls with drafts or prompt chunks keep ``num_threads``: they are
     compute, and more threads pay."""
     return max(1, (num_threads or cpus) - 1)
+
+
+def _positive_int(params: dict[str, str], name: str, default: int, most: int) -> int:
+    raw = params.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= most:
+        raise _bad(name, raw, f"expected an integer from 1 to {most}")
+    return value
 
 
 def _stages(params: dict[str, str]) -> str:

@@ -71,10 +71,12 @@ class FakeSender:
         self._final = threading.Event()
         self.sends_after_final = 0
         self.is_cancelled_after_final = 0
+        self.threads: set[str] = set()  # the names of the threads that sent
 
     def send(self, response=None, flags: int = 0) -> None:
         if self._final.is_set():
             self.sends_after_final += 1
+        self.threads.add(threading.current_thread().name)
         self.sent.append((response, flags))
         if flags & 1:
             self._final.set()

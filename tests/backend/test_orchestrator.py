@@ -65,6 +65,25 @@ def test_stream_equals_non_stream_equals_engine(served, smoke_model):
     assert stream.sender.data()[-1]["finish_reason"][0] == b"length"
 
 
+def test_response_threads_share_the_requests_and_keep_each_ones_order(engine, smoke_model):
+    orch = Orchestrator(engine, FakePbUtils(), response_threads=3, cancel_poll_s=0.01)
+    prompts = [f"def g{i}(x):" for i in range(12)]
+    reqs = [request(text_input=p, max_tokens=8, stream=True) for p in prompts]
+    try:
+        for r in reqs:
+            orch.submit(r)
+        assert all(r.sender.wait_final() for r in reqs)
+    finally:
+        orch.shutdown(timeout_s=10)
+    reference = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), num_kv_blocks=64))
+    want = reference.generate(prompts, SamplingParams(max_tokens=8))
+    reference.close()
+    for r, w in zip(reqs, want):
+        assert len(finals(r)) == 1 and len(r.sender.threads) == 1  # one thread a request: in order
+        assert np.concatenate([d["output_ids"] for d in r.sender.data()]).tolist() == w.output_token_ids
+    assert len(set().union(*(r.sender.threads for r in reqs))) == 3
+
+
 def test_non_streaming_text_starts_with_the_prompt_by_default(served):
     orch, _ = served
     r = request(text_input="x = ", max_tokens=3)

@@ -54,6 +54,8 @@ def test_empty_string_means_default():
         ({"role": "router"}, "role='router'"),
         ({"num_kv_block": "64"}, "num_kv_block='64'"),  # typo: unknown parameter
         ({"decode_threads": "-1"}, "decode_threads=-1"),
+        ({"response_threads": "0"}, "response_threads='0'"),
+        ({"response_threads": "two"}, "response_threads='two'"),
     ],
 )
 def test_bad_parameter_error_names_parameter_and_value(params, fragment):
@@ -61,6 +63,11 @@ def test_bad_parameter_error_names_parameter_and_value(params, fragment):
         parse_backend_config(params)
     assert fragment in str(e.value)
     assert str(e.value).startswith("parameter ")
+
+
+def test_response_threads_default_and_setting():
+    assert parse_backend_config({}).response_threads == 4
+    assert parse_backend_config({"response_threads": "1"}).response_threads == 1
 
 
 def test_upper_case_keys_are_left_to_triton():
