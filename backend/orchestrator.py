@@ -1,12 +1,12 @@
 """The orchestrator model's request plumbing: Triton requests in, engine deltas out.
 
-Four threads, each with one job (after vllm_backend's layout):
+Threads, each with one job (after vllm_backend's layout):
 
 - ``execute`` (Triton's thread) parses a request and queues it; it never waits for the engine.
 - the engine loop is the only thread that calls ``engine.add_request`` / ``step`` / ``abort``; it is
   fed by a command queue and hands deltas to
-- the response thread, which builds tensors and calls ``response_sender.send`` (every request ends
-  with exactly one FINAL response: data, INVALID_ARG, INTERNAL or UNAVAILABLE);
+- the response threads (a request's responses all through one), which build tensors and call
+  ``response_sender.send`` (each request ends with one FINAL: data, INVALID_ARG, INTERNAL or UNAVAILABLE);
 - the watcher polls ``is_cancelled()`` (an IPC round trip to the server, kept off the engine loop,
   at most ``cancel_checks_per_s`` of them) and queues aborts; on a drain
   (:mod:`lightspec_backend.control`) it cancels what is left at the deadline.
@@ -31,7 +31,7 @@ from .bls import is_unavailable
 from .control import ControlDir, Drain
 from .inputs import name_prompt_error, parse_request, request_parameters, requested_outputs
 from .metrics import MetricsReporter
-from .responses import RequestState, build_response
+from .responses import RequestState, ResponseThreads, build_response
 
 _STOP = object()
 
@@ -51,7 +51,7 @@ class _Entry:
     cancel_message: str = ""  # set when the drain deadline cancels it: its final is CANCELLED
     shutting_down: bool = False
     closed: bool = False  # FINAL sent (or attempted); set by its response thread only
-    shard: int = 0  # which response thread sends its responses (one, so that they keep their order)
+    shard: int = 0  # which response thread sends its responses (one: they keep their order)
     # Serialises is_cancelled() with send(): in Triton 2.51, is_cancelled() on a sender whose FINAL
     # response went out (or is going out) reads a freed response factory and crashes the server.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -81,9 +81,7 @@ class Orchestrator:
         restarts: int = 0,
         response_threads: int = 1,
     ):
-        """``control``: the supervisor's drain requests; ``restarts``: its restarts before this one;
-        ``response_threads``: threads sending responses, each request's through one of them (see
-        ``BackendConfig.response_threads``)."""
+        """``control``: the supervisor's drain requests; ``restarts``: its restarts before this one."""
         self.engine = engine
         self.pb = pb_utils
         self.log = pb_utils.Logger
@@ -98,7 +96,6 @@ class Orchestrator:
         self._live: dict[str, _Entry] = {}
         self._live_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
-        self._outboxes: list[queue.Queue] = [queue.Queue() for _ in range(max(1, response_threads))]
         self._metrics_q: queue.Queue = queue.Queue()
         self._in_engine: set[str] = set()  # engine loop only
         self._held: list[tuple[_Entry, object]] = []  # engine loop only: the last step's responses
@@ -106,15 +103,13 @@ class Orchestrator:
         self._stopping = threading.Event()
         self.drain = Drain(control)
         self.restarts = restarts
-        self._senders = [threading.Thread(target=self._response_loop, args=(q,), name=f"lightspec-responses-{i}",
-                                          daemon=True) for i, q in enumerate(self._outboxes)]
         self._threads = [
             threading.Thread(target=self._engine_loop, name="lightspec-engine", daemon=True),
-            *self._senders,
             threading.Thread(target=self._watch_cancellation, name="lightspec-cancel", daemon=True),
         ]
         if reporter is not None:
             self._threads.append(threading.Thread(target=self._metrics_loop, name="lightspec-metrics", daemon=True))
+        self._responses = ResponseThreads(response_threads, self._deliver)
         for t in self._threads:
             t.start()
         if reporter is not None:
@@ -125,15 +120,14 @@ class Orchestrator:
     def submit(self, request) -> None:
         """Parse one Triton request and queue it for the engine; answers bad input itself."""
         pb = self.pb
-        rid = f"ls-{next(self._ids)}"
+        rid = f"ls-{(n := next(self._ids))}"  # n: its response thread
         sender = request.get_response_sender()
 
         def get(name):
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        entry = _Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request,
-                       shard=int(rid[3:]) % len(self._outboxes))
+        entry = _Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request, shard=n)
         try:
             parsed = parse_request(get, self.max_model_len, self.vocab_size, request_parameters(request))
         except ValueError as e:
@@ -292,28 +286,23 @@ class Orchestrator:
 
     # -- response thread ------------------------------------------------------------------------
 
-    def _post(self, item) -> None:
-        """Queues (entry, payload) for the entry's response thread."""
-        self._outboxes[item[0].shard].put(item)
+    def _post(self, item) -> None:  # (entry, payload), to the entry's response thread
+        self._responses.post(item[0].shard, item)
 
-    def _response_loop(self, outbox: queue.Queue) -> None:
-        while True:
-            item = outbox.get()
-            if item is None:
+    def _deliver(self, item) -> None:
+        entry, payload = item
+        with entry.lock:
+            if entry.closed:
                 return
-            entry, payload = item
-            with entry.lock:
-                if entry.closed:
-                    continue
-                try:
-                    final = self._send(entry, payload)
-                except Exception:  # noqa: BLE001 - a broken client connection must not stop other responses
-                    self.log.log_error(f"[lightspec] sending a response failed: {traceback.format_exc()}")
-                    final = True
-                entry.closed = final
-            if final:
-                with self._live_lock:
-                    self._live.pop(entry.id, None)
+            try:
+                final = self._send(entry, payload)
+            except Exception:  # noqa: BLE001 - a broken client connection must not stop other responses
+                self.log.log_error(f"[lightspec] sending a response failed: {traceback.format_exc()}")
+                final = True
+            entry.closed = final
+        if final:
+            with self._live_lock:
+                self._live.pop(entry.id, None)
 
     def _send(self, entry: _Entry, payload) -> bool:
         pb = self.pb
@@ -398,17 +387,13 @@ class Orchestrator:
         """End every in-flight request with a final response, then stop all threads."""
         self._stopping.set()
         self._inbox.put(_STOP)
-        engine_thread = self._threads[0]
-        others = [t for t in self._threads[1:] if t not in self._senders]
+        engine_thread, *others = self._threads
         engine_thread.join(timeout_s)
         with self._live_lock:
             leftovers = [e for e in self._live.values() if not e.closed]
         for entry in leftovers:  # queued but never added, or the engine thread is stuck
             self._post((entry, _Error("UNAVAILABLE", "the model is shutting down")))
-        for q in self._outboxes:
-            q.put(None)
-        for t in self._senders:
-            t.join(timeout_s)
+        self._responses.stop(timeout_s)
         self._metrics_q.put(None)
         for t in others:
             t.join(timeout_s)

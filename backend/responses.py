@@ -1,4 +1,4 @@
-"""Engine deltas -> response tensors (numpy), per request. Triton-free.
+"""Engine deltas -> response tensors (numpy), per request, and the threads that send them. Triton-free.
 
 Streaming: every delta with new tokens becomes one response carrying only those tokens; the final
 delta's response carries ``finish_reason`` and is sent with the FINAL flag. Non-streaming: deltas
@@ -7,6 +7,9 @@ accumulate and the final one becomes the single response (HTTP ``/generate`` nee
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,3 +80,34 @@ def build_response(state: RequestState, delta: RequestDelta) -> dict[str, np.nda
         make["num_output_tokens"] = lambda: np.array([len(ids)], dtype=np.uint32)
     wanted = state.wanted
     return {name: f() for name, f in make.items() if wanted is None or name in wanted}
+
+
+class ResponseThreads:
+    """``n`` threads, each calling ``deliver(item)`` on what is posted to it, in order. Items posted
+    under one key all go to the same thread, so a request's responses keep their order.
+
+    Why several: in Triton 2.51's Python backend a response the stub sends waits until the server
+    has taken it, and one thread spends most of its time waiting at 64 streams (docs/benchmarks.md).
+    """
+
+    def __init__(self, n: int, deliver: Callable[[object], None], name: str = "lightspec-responses"):
+        self._queues: list[queue.Queue] = [queue.Queue() for _ in range(max(1, n))]
+        self._deliver = deliver
+        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"{name}-{i}", daemon=True)
+                         for i, q in enumerate(self._queues)]  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    def post(self, key: int, item) -> None:
+        self._queues[key % len(self._queues)].put(item)
+
+    def stop(self, timeout_s: float) -> None:
+        """Delivers what was posted before, then ends the threads."""
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout_s)
+
+    def _run(self, items: queue.Queue) -> None:
+        while (item := items.get()) is not None:
+            self._deliver(item)
