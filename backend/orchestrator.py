@@ -284,7 +284,7 @@ class Orchestrator:
             self._metrics_q.put((self.engine.stats.snapshot(), self.engine.stats.drain_observations()))
             self._last_publish = -1.0 if force else now
 
-    # -- response thread ------------------------------------------------------------------------
+    # -- response threads -----------------------------------------------------------------------
 
     def _post(self, item) -> None:  # (entry, payload), to the entry's response thread
         self._responses.post(item[0].shard, item)

@@ -68,11 +68,7 @@ class BackendConfig:
     orchestrator_model: str = FRONT_TARGET_PARAM[1]  # role batched: the model it forwards to
     stage_timeout_s: float = 30.0  # a stage call unanswered this long fails its step UNAVAILABLE
     stages: str = STAGES_PROCESS  # ``local``/``process``: every stage with the orchestrator's engine
-    # Each response the stub sends is a round trip to the server that waits for the server's answer
-    # (Triton 2.51's Python backend): one thread sends one response at a time, and at 64 streams it
-    # spends most of its time waiting. Several threads keep several round trips under way; a
-    # request's responses all go through one of them, so they keep their order.
-    response_threads: int = 4
+    response_threads: int = 4  # the orchestrator's sending threads (why several: responses.ResponseThreads)
 
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls by BLS with this speculation method."""
