@@ -200,7 +200,7 @@ def _plan(args, quick: dict, configs: list[RunConfig], loads: list[Load], prompt
     plan = BenchPlan(
         configs, loads, prompts, args.max_tokens, args.requests, args.warmup, args.temperature, args.seed, args.timeout
     )
-    plan.requests_rule = requests_rule(bool(args.quick), args.workload)
+    plan.requests_rule = requests_rule(bool(args.quick), args.workload, peer=bool(args.peer))
     plan.repeats = max(1, args.repeats)
     plan.order = args.order
     return plan

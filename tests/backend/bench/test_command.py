@@ -129,7 +129,8 @@ def test_peer_dry_run_prints_the_environment_plan_the_vllm_commands_and_the_swee
     )
     assert ("LightSpec configurations: lightspec_none lightspec_ngram_dynamic lightspec_draft_dynamic "
             "lightspec_mtp_dynamic") in out  # fmt: skip
-    assert "levels: c=1 c=16; 128 tokens per request" in out
+    # 8 requests a client beside vLLM (the steady state, see requests_rule)
+    assert "levels: c=1 (16 requests) c=16 (128 requests); 128 tokens per request" in out
     assert ("at each level, in turn (reversed every other level): lightspec_none, vllm none, lightspec_ngram_dynamic, "
             "vllm ngram, lightspec_draft_dynamic, vllm draft, lightspec_mtp_dynamic") in out  # fmt: skip
     assert not venv.exists()

@@ -20,6 +20,8 @@ def test_requests_take_the_prompts_temperature_and_mixed_runs_are_longer():
     plan.requests_rule = requests_rule(False, "mixed")
     assert plan.num_requests(Load(concurrency=16)) == 128
     assert requests_rule(False, "code") == (16, 2) and requests_rule(True, "mixed") == (16, 4)
+    # beside vLLM, runs measure the steady state: 8 requests a client
+    assert requests_rule(False, "code", peer=True) == (16, 8) and requests_rule(True, "code", peer=True) == (16, 4)
     assert plan.num_requests(Load(rate=4.0)) == 32  # 8 s of arrivals
     assert BenchPlan([], [], prompts, 8, requests=5).num_requests(Load(concurrency=64)) == 5
 
