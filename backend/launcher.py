@@ -91,7 +91,7 @@ def remove_shm_regions(prefix: str) -> list[str]:
     return removed
 
 
-def _die_with_parent():
+def die_with_parent():
     """A ``preexec_fn`` that makes the kernel send the server SIGTERM if the launching process dies
     without stopping it (Linux ``PR_SET_PDEATHSIG``); ``None`` where libc has no ``prctl``. libc is
     loaded here, in the parent, so the child between fork and exec only makes the one call."""
@@ -234,7 +234,7 @@ class TritonServer:
                 stderr=subprocess.STDOUT if out else None,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(),  # noqa: PLW1509 - one prctl call; no other way to set it
+                preexec_fn=die_with_parent(),  # noqa: PLW1509 - one prctl call; no other way to set it
             )
         finally:
             if out is not None:

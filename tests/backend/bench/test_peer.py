@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -136,6 +139,32 @@ def test_the_server_process_is_ready_on_health_and_stopped_with_its_children(tmp
     assert not ring.exists(), "a vLLM-kind shared-memory region outlived the server"
     assert other.exists(), "a region of another kind is not the bench's to remove"
     other.unlink()
+
+
+def test_a_killed_bench_takes_its_server_with_it(tmp_path):
+    """A bench ended before it can stop its servers (SIGTERM's default action, SIGKILL) leaves no
+    vLLM server behind: the kernel signals the server when its parent dies."""
+    (tmp_path / "health").write_text("ok")
+    port = free_ports(1)[0]
+    serve = (f"import functools, http.server; h = functools.partial(http.server.SimpleHTTPRequestHandler, "
+             f"directory={str(tmp_path)!r}); http.server.ThreadingHTTPServer(('127.0.0.1', {port}), h).serve_forever()")
+    bench = (f"import sys, time; from lightspec_backend.bench.peer import VllmServer; "
+             f"s = VllmServer([sys.executable, '-c', {serve!r}], {port}, log_dir={str(tmp_path)!r}).start(timeout_s=60); "
+             "print(s.process.pid, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", bench], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    try:
+        assert _alive(pid)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the server outlived the bench that started it"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
 
 
 def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path):
