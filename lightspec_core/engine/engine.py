@@ -228,27 +228,27 @@ class LLMEngine:
             if it.seq.t_scheduled is None:  # its queue time ends with its first step
                 it.seq.t_scheduled = t0
         tables = [self.blocks.table(it.seq.request_id) for it in plan.items]
-        seqs = [it.seq for it in plan.items]
-        props = self.proposer.propose(seqs, [it.k for it in plan.items], tables, [it.min_gain for it in plan.items])
-        t1 = time.perf_counter()
+        seqs, ks = [it.seq for it in plan.items], [it.k for it in plan.items]
+        props = self.proposer.propose(seqs, ks, tables, [it.min_gain for it in plan.items])
         num_drafts = sum(len(p.draft_ids) for p in props)
-        self._observe_proposals(plan, props, num_drafts, t1 - t0)
-        packed = pack_step(plan, props, tables, self.proposer.target_inputs(seqs, [it.samples for it in plan.items]))
+        self._observe_proposals(plan, props, num_drafts, time.perf_counter() - t0)
+        extra = self.proposer.target_inputs(seqs, [it.samples for it in plan.items], ks)
+        packed = pack_step(plan, props, tables, extra)
         t_submit = time.perf_counter()
         fut = self.executor.submit("target", packed.call)
         fut.add_done_callback(_stamp_done)
         return InFlight(plan, props, fut, packed.rows, packed.logit_rows, t_submit, len(packed.call.input_ids),
-                        packed.context, plan.prefill_tokens, num_drafts)
+                        packed.context, plan.prefill_tokens, num_drafts, packed.heads)
 
     def _observe_proposals(self, plan: StepPlan, props: list[Proposal], num_drafts: int, seconds: float) -> None:
-        counters = self.stats.counters
-        counters["spec_decode_num_stopped_drafts_total"] += sum(it.k for it in plan.items) - num_drafts
+        self.stats.counters["spec_decode_num_stopped_drafts_total"] += sum(it.k for it in plan.items) - num_drafts
         if num_drafts:
             came_fused = sum(len(p.draft_ids) for p in props if p.fused)
-            counters["spec_decode_num_fused_drafts_total"] += came_fused
-            if came_fused < num_drafts:  # a proposer stage ran
+            self.stats.counters["spec_decode_num_fused_drafts_total"] += came_fused
+            if came_fused < num_drafts:  # a proposer stage ran (fused drafts came priced with the target's call)
                 self.stats.observe("stage_latency_seconds", seconds, {"stage": self.config.method.value})
-            self.cost.observe_propose(num_drafts, max(len(p.draft_ids) for p in props), seconds)
+                staged = [len(p.draft_ids) for p in props if not p.fused]
+                self.cost.observe_propose(sum(staged), max(staged), seconds)
         self._stage_seconds += seconds
 
     # ---- complete: verify, update, emit --------------------------------------------------------
@@ -285,7 +285,7 @@ class LLMEngine:
         service = t_done - max(f.t_submit, self._target_free_at)
         self._target_free_at = t_done
         self.stats.observe("stage_latency_seconds", service, {"stage": "target"})
-        self.cost.observe_verify(len(f.plan.items), f.drafts, f.context, f.prefill, service)
+        self.cost.observe_verify(len(f.plan.items), f.drafts, f.context, f.prefill, service, heads=f.heads)
         self._stage_seconds += service
         self.stats.counters["engine_steps_total"] += 1
 

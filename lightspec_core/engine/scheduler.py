@@ -237,8 +237,8 @@ class Scheduler:
         Gives what :meth:`_small_batch` gives, as arrays (a test compares them)."""
         b, max_k, bs, tables = len(seqs), self.max_k, self.blocks.block_size, self.blocks.tables
         info = np.fromiter(chain.from_iterable(
-            (len(s.token_ids), len(tables[s.request_id]), s.draft_cap_asked, s.end_len, s.sampled) for s in seqs),
-            np.int64, 5 * b).reshape(b, 5)
+            (len(s.token_ids), len(tables[s.request_id]), min(s.draft_cap_asked, s.draft_room), s.end_len, s.sampled)
+            for s in seqs), np.int64, 5 * b).reshape(b, 5)
         n_tok = info[:, 0]
         limits = np.minimum(np.minimum(info[:, 2], max_k),
                             # drafts beyond max_tokens - 1 can never be emitted (the bonus token comes too)
@@ -259,7 +259,7 @@ class Scheduler:
         limits, alphas, sampled = [], [], []
         for seq in seqs:
             n_tok = len(seq.token_ids)
-            limit = min(max_k, seq.draft_cap_asked, seq.end_len - n_tok - 1,
+            limit = min(max_k, seq.draft_cap_asked, seq.draft_room, seq.end_len - n_tok - 1,
                         len(tables[seq.request_id]) * bs - n_tok + free_slots)
             limits.append(max(0, limit))
             alphas.append(request_alphas(seq.pos_reached, seq.pos_accepted, rates[seq.sampled], max_k))

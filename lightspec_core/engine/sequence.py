@@ -61,6 +61,9 @@ class Sequence:
         # fixed per request, read by the scheduler's per-step pass: the draft depth the request asked
         # for at most, its length when max_tokens is reached, and whether it samples
         self.draft_cap_asked = params.num_draft_tokens if params.num_draft_tokens is not None else 1 << 30
+        # the most drafts the proposer holds for the next step (fused MTP: those the target stage
+        # returned); the policy grants no more
+        self.draft_room = 1 << 30
         self.end_len = self.prompt_len + params.max_tokens
         self.sampled = params.temperature != 0.0
         # timing

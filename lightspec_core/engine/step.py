@@ -27,6 +27,7 @@ class InFlight:
     context: int  # padded KV slots the target's attention reads: requests x longest context
     prefill: int  # of num_tokens, prompt-chunk tokens
     drafts: int  # of num_tokens, draft tokens
+    heads: tuple[int, int] = (0, 0)  # fused MTP drafts the call proposes: (in all, longest chain)
 
 
 @dataclass
@@ -35,6 +36,12 @@ class PackedStep:
     rows: list[list[int]]  # per plan item: its rows of the returned outputs (see InFlight)
     logit_rows: list[list[int]]
     context: int
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """(drafts, longest chain) the target stage's MTP heads propose in this call (fused MTP)."""
+        want = np.asarray(self.call.mtp_drafts)
+        return (int(want.sum()), int(want.max())) if want.size else (0, 0)
 
 
 def pack_step(plan: StepPlan, props: list[Proposal], tables: list[list[int]],

@@ -45,8 +45,8 @@ class ProfileSpec:
     hidden_size: int
     reps: int = 3
     vocab_size: int = 0  # for timing the target distribution of sampled rows (0: not timed)
-    # fused MTP: the target stage runs the heads for every greedy request of a step (K drafts each,
-    # whatever k it verifies), so the profiled target calls do too
+    # fused MTP: the target stage runs the heads after its forward, for the drafts the policy may
+    # take next; they are priced as the proposer (``profile_propose``), not in the target's profile
     fused_mtp: bool = False
 
     @classmethod
@@ -118,10 +118,9 @@ class _Timer:
 
 
 def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False,
-                 fused: int = 0, chain: int = 0) -> ModelCall:
-    """``b`` requests verifying ``k`` drafts each; ``fused``: each also asks for that many next drafts
-    from the stage's MTP heads (their rows stop at the first draft, as any mismatch does); ``chain``:
-    a draft model's call drafting that many tokens per request (``ModelCall.draft_chain``)."""
+                 chain: int = 0) -> ModelCall:
+    """``b`` requests verifying ``k`` drafts each; ``chain``: a draft model's call drafting that many
+    tokens per request (``ModelCall.draft_chain``)."""
     q = 1 + k
     return ModelCall(
         input_ids=np.full(b * q, 3, np.int64),
@@ -131,7 +130,6 @@ def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logit
         sample_indices=np.arange(b * q, dtype=np.int64),
         return_logits=np.array([logits]),
         return_hidden=np.array([hidden]),
-        mtp_drafts=np.full(b if fused else 0, fused, np.int32),
         draft_chain=np.full(b if chain else 0, chain, np.int32),
     )
 
@@ -179,7 +177,7 @@ def _timer(executor: Executor, spec: ProfileSpec, table: list[int], ctx0: int,
     proposer = PROPOSER_STAGE.get(spec.method) if big_k >= 1 else None
     if proposer is None or proposer not in stages or "target" not in stages:
         return timer
-    if proposer == "mtp" and not _fused_k(spec):
+    if proposer == "mtp" and not _fused(spec):
         timer.before["target"] = ("mtp", _mtp_call(1, big_k, big_k, spec.hidden_size))
     elif proposer == "draft":
         timer.before["target"] = ("draft", _target_call(1, 0, ctx0, table, False))
@@ -187,10 +185,10 @@ def _timer(executor: Executor, spec: ProfileSpec, table: list[int], ctx0: int,
     return timer
 
 
-def _fused_k(spec: ProfileSpec) -> int:
+def _fused(spec: ProfileSpec) -> bool:
     # fused MTP: greedy requests' next drafts come back from the target call instead of its hidden
     # states, and no proposer call runs between two target calls
-    return spec.max_k if spec.fused_mtp and spec.method is SpecMethod.MTP else 0
+    return spec.fused_mtp and spec.method is SpecMethod.MTP
 
 
 def _geometry(spec: ProfileSpec) -> tuple[int, int, list[int], int]:
@@ -207,11 +205,11 @@ def profile_verify(executor: Executor, spec: ProfileSpec, stages: set[str] = fro
     """The target stage's cost model (see ``VerifyCost``), timed through ``executor``."""
     ctx0, ctx1, table, room = _geometry(spec)
     timer = _timer(executor, spec, table, ctx0, clock, set(stages))
-    big_k, fused = spec.max_k, _fused_k(spec)
-    hidden = spec.method is SpecMethod.MTP and not fused
+    big_k = spec.max_k
+    hidden = spec.method is SpecMethod.MTP and not _fused(spec)
 
     def target(b: int, k: int, ctx: int, logits: bool = False) -> ModelCall:
-        return _target_call(b, k, ctx, table, hidden, logits, fused)
+        return _target_call(b, k, ctx, table, hidden, logits)
 
     sizes = profile_sizes(spec.max_num_seqs)
     fixed, drafted = [], []  # drafted: (drafts, extra seconds) at each size, or None

@@ -121,7 +121,11 @@ class CostModel:
         ratio = min(max(seconds / predicted, scale / 4.0), scale * 4.0)
         return scale + self.smoothing * (ratio - scale)
 
-    def observe_verify(self, requests: int, drafts: int, context: int, prefill: int, seconds: float) -> None:
+    def observe_verify(self, requests: int, drafts: int, context: int, prefill: int, seconds: float,
+                       heads: tuple[int, int] = (0, 0)) -> None:
+        """``heads``: (drafts, longest chain) the call's fused MTP heads proposed for the next step,
+        priced by the proposer's profile (they run in the target's call, see ``MTPProposer``)."""
+        seconds -= self.propose_scale * self.propose.predict(*heads)
         predicted = self.verify.predict(requests, drafts, context, prefill)
         if not self.calibrated:
             self.verify_scale = self._track(self.verify_scale, predicted, seconds)

@@ -30,13 +30,17 @@ class MTPProposer:
         self.fused = fused
         self.confidence = ConfidenceStats(max_k) if confidence_stop else None
 
-    def target_inputs(self, seqs, samples) -> dict[str, np.ndarray]:
+    def target_inputs(self, seqs, samples, ks) -> dict[str, np.ndarray]:
         greedy = [s.params.greedy for s in seqs]
         # with fused drafts, only sampled requests draft from a hidden state in this process
         inputs = {"return_hidden": np.array([not self.fused or not all(greedy)])}
         if self.fused:
-            inputs["mtp_drafts"] = np.array([s.draft_cap(self.max_k) if smp and g else 0
-                                             for s, smp, g in zip(seqs, samples, greedy)], np.int32)
+            # one head more than the policy gave the request this step (every head after its prompt):
+            # its depth can grow a draft a step, and heads whose drafts the policy would not take do
+            # not run (each is a pass over every request; the policy prices them as the proposer's)
+            inputs["mtp_drafts"] = np.array([
+                min(s.draft_cap(self.max_k), self.max_k if s.num_computed < len(s.token_ids) - 1 else k + 1)
+                if smp and g else 0 for s, smp, g, k in zip(seqs, samples, greedy, ks)], np.int32)
             inputs["mtp_conf"] = np.array([self.confidence is not None])
         return inputs
 
@@ -105,6 +109,7 @@ def _keep_fused(seq, res, b: int, accepted: int) -> None:
     """Keep the drafts the target stage proposed for this request's next step. They continue from
     the stage's own greedy verification, which must agree with the engine's."""
     seq.fused_ids = seq.fused_conf = None
+    seq.draft_room = 0  # a greedy request of a fused engine drafts only what the target stage proposed
     if int(res.accepted[b]) < 0:  # none asked for (no sample row, or no draft allowed)
         return
     if int(res.accepted[b]) != accepted:
@@ -114,5 +119,6 @@ def _keep_fused(seq, res, b: int, accepted: int) -> None:
     row = res.next_draft_ids[b]
     n = int((row >= 0).sum())
     seq.fused_ids = row[:n].tolist()
+    seq.draft_room = n
     seq.fused_conf = res.next_draft_conf[b, :n].tolist()
     seq.fused_at = seq.num_tokens

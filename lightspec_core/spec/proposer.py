@@ -35,9 +35,9 @@ class Proposer(Protocol):
         proposer that can estimate one stops drafting below it; the others ignore it)."""
         ...
 
-    def target_inputs(self, seqs: list[Sequence], samples: list[bool]) -> dict[str, np.ndarray]:
+    def target_inputs(self, seqs: list[Sequence], samples: list[bool], ks: list[int]) -> dict[str, np.ndarray]:
         """Fields of the step's target call (``ModelCall``) this proposer sets; ``samples[b]``:
-        request b's outputs are verified this step."""
+        request b's outputs are verified this step, ``ks[b]``: the drafts the policy gave it."""
         ...
 
     def after_verify(self, seq: Sequence, result: ModelResult, b: int, rows: list[int], drafted: int,
@@ -65,7 +65,7 @@ def drafting(ks: list[int]) -> tuple[list[int], list[Proposal]]:
 class StatelessProposer:
     """A proposer that needs nothing from the target's step (the protocol's hooks as no-ops)."""
 
-    def target_inputs(self, seqs, samples) -> dict[str, np.ndarray]:
+    def target_inputs(self, seqs, samples, ks) -> dict[str, np.ndarray]:
         return {}
 
     def after_verify(self, seq, result, b, rows, drafted, accepted, proposal) -> None:

@@ -200,34 +200,52 @@ def test_calibration_recovers_the_stage_costs_against_batch_size():
     assert abs(p.per_depth - 2e-4) < 1e-9 and abs(p.per_draft - 5e-5) < 1e-9 and p.fixed < 1e-9
 
 
-def test_a_fused_profile_prices_the_heads_in_each_request_not_in_each_draft():
-    """With fused MTP every greedy request of a step runs all K heads inside the target call,
-    whatever k it verifies: the profile's target calls ask for them (and for no hidden states), so
-    their cost lands in the per-request part and a draft costs what verifying it costs. Profiled
-    without them, the running scale that absorbs the difference would inflate the price of every
-    draft as well (by 1.4-2.4x in process), and the policy would draft too little."""
+def test_fused_heads_are_priced_as_the_proposer_not_in_the_targets_profile():
+    """With fused MTP the target call runs the heads for the drafts the policy may take next (one
+    more than it gave each request, see ``MTPProposer.target_inputs``), so the heads cost what the
+    policy drafts, not a fixed part of every step. The profile's target calls ask for none (and for
+    no hidden states): a draft costs what verifying it costs, and the heads are the MTP stage's
+    profile, per draft and per chained head. The heads a served call runs are taken out of its
+    measured time with that price, so they do not land in the target's running excess too."""
     from lightspec_core.config import SpecMethod
     from lightspec_core.spec.calibrate import ProfileSpec, calibrate
 
     stages = _FakeStages()
     spec = ProfileSpec(SpecMethod.MTP, 4, 16, 1024, 64, 2048, 1024, 8, fused_mtp=True)
-    v, _ = calibrate(stages, spec, clock=stages.clock)
+    v, p = calibrate(stages, spec, clock=stages.clock)
     steps = [c for c in stages.target_calls if int(c.query_lens.max()) <= 64]  # not the prompt chunk
-    fused = [c for c in steps if c.mtp_drafts.size]
-    assert {len(c.query_lens) for c in fused} == {1, 2, 4, 8, 16, 32, 64}
-    for call in fused:
-        assert call.mtp_drafts.tolist() == [4] * len(call.query_lens) and not call.return_hidden[0]
-    # the rest: the call that precedes each timing of the MTP stage (which sampled requests still
-    # use), returning hidden states as it does for them
-    assert all(c.return_hidden[0] and len(c.query_lens) == 1 for c in steps if not c.mtp_drafts.size)
+    assert all(c.mtp_drafts.size == 0 for c in stages.target_calls)
+    # hidden states only for the one-request call that precedes each timing of the MTP stage
+    assert all(len(c.query_lens) == 1 for c in steps if c.return_hidden[0]) and any(c.return_hidden[0] for c in steps)
     assert abs(v.draft_cost(1) - 5e-4) < 1e-9 and abs(v.draft_cost(64) - 1e-4) < 1e-9
     for b, ctx in ((1, 300), (16, 5000), (64, 20000)):
-        truth = 1e-3 + 3e-4 * b + 4 * 1.5e-4 * b + 1e-6 * ctx
-        assert abs(v.predict(b, 0, ctx) - truth) < 1e-6
-    plain = _FakeStages()  # unfused: hidden states back, no heads in the target call
-    calibrate(plain, ProfileSpec(SpecMethod.MTP, 4, 16, 1024, 64, 2048, 1024, 8), clock=plain.clock)
-    assert all(c.mtp_drafts.size == 0 for c in plain.target_calls)
-    assert any(c.return_hidden[0] for c in plain.target_calls)
+        assert abs(v.predict(b, 0, ctx) - (1e-3 + 3e-4 * b + 1e-6 * ctx)) < 1e-6
+    assert abs(p.per_depth - 2e-4) < 1e-9 and abs(p.per_draft - 5e-5) < 1e-9
+    served, unpriced = CostModel(v, p, overhead=0.0), CostModel(v, p, overhead=0.0)
+    served.calibrated = unpriced.calibrated = True
+    for _ in range(200):  # 64 requests verifying 2 drafts each, their heads proposing 3 each
+        seconds = v.predict(64, 128, 64 * 300) + p.predict(192, 3)
+        served.observe_verify(64, 128, 64 * 300, 0, seconds, heads=(192, 3))
+        unpriced.observe_verify(64, 128, 64 * 300, 0, seconds)
+    assert abs(served.verify_extra) < 1e-6 and abs(unpriced.verify_extra - p.predict(192, 3)) < 1e-6
+
+
+def test_fused_heads_run_one_draft_beyond_the_policys_choice():
+    from lightspec_core.config import SamplingParams
+    from lightspec_core.engine.sequence import Sequence
+    from lightspec_core.spec.mtp import MTPProposer
+
+    seqs = [Sequence(f"r{i}", list(range(3, 43)), SamplingParams(max_tokens=mt, temperature=t), detok=None, seed=i,
+                     arrival=i) for i, (mt, t) in enumerate([(50, 0.0), (50, 0.0), (50, 0.0), (3, 0.0), (50, 0.8)])]
+    for s in seqs:
+        s.num_computed = len(s.token_ids) - 1  # decoding
+    fused = MTPProposer(executor=None, max_k=4, fused=True)
+    inputs = fused.target_inputs(seqs, [True, True, True, True, True], [0, 2, 4, 4, 2])
+    # k + 1 up to K; no more than max_tokens leaves room for; a sampled request drafts on the mtp stage
+    assert inputs["mtp_drafts"].tolist() == [1, 3, 4, 2, 0] and inputs["return_hidden"][0]
+    assert fused.target_inputs(seqs[:2], [False, True], [3, 3])["mtp_drafts"].tolist() == [0, 4]
+    seqs[0].num_computed = 20  # its prompt's last chunk: the policy has not chosen its depth yet
+    assert fused.target_inputs(seqs[:2], [True, True], [0, 0])["mtp_drafts"].tolist() == [4, 1]
 
 
 def test_a_lone_request_drafts_less_than_each_request_of_a_full_batch():
@@ -418,6 +436,9 @@ def test_the_scheduler_hands_the_policy_request_alphas_estimates():
     arrays = sched._array_batch(seqs, free)
     assert not arrays.small
     assert small.limits == arrays.limits.tolist() == [4, 4, 2, 1]
+    seqs[0].draft_room = 2  # e.g. the fused MTP drafts the target stage returned for it
+    assert sched._small_batch(seqs, free).limits == sched._array_batch(seqs, free).limits.tolist() == [2, 4, 2, 1]
+    seqs[0].draft_room = 1 << 30
     assert small.sampled == arrays.sampled.tolist() == [False, True, False, True]
     for i, s in enumerate(seqs):
         sampled = s.params.temperature > 0
