@@ -137,8 +137,8 @@ def requests_rule(quick: bool, workload: str, peer: bool = False) -> tuple[int, 
         return MIXED_REQUESTS
     if peer:
         # Speculating requests finish at their own speeds too (acceptance varies by prompt): at
-        # 2 x C a run at c=16 lasts about 3 s, its clients average 13 requests in flight of 16 and
-        # its prefill wave is a tenth of it. The engines are compared in the steady state instead.
+        # 2 x C a run at c=16 lasts about 3 s and its clients average 13 requests in flight of 16.
+        # The engines are compared in the steady state instead.
         return PEER_REQUESTS
     return BenchPlan.requests_rule
 
