@@ -248,7 +248,7 @@ class LLMEngine:
             if came_fused < num_drafts:  # a proposer stage ran (fused drafts came priced with the target's call)
                 self.stats.observe("stage_latency_seconds", seconds, {"stage": self.config.method.value})
                 staged = [len(p.draft_ids) for p in props if not p.fused]
-                self.cost.observe_propose(sum(staged), max(staged), seconds)
+                self.cost.observe_propose(sum(staged), max(staged), seconds, sum(p.fed for p in props))
         self._stage_seconds += seconds
 
     # ---- complete: verify, update, emit --------------------------------------------------------

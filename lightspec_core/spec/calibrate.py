@@ -67,6 +67,7 @@ class ProfileSpec:
 
 
 PROPOSER_STAGE = {SpecMethod.MTP: "mtp", SpecMethod.DRAFT: "draft"}  # methods whose proposer is a stage
+CATCH_UP = 16  # tokens a draft model's profiled catch-up feeds per request (a few steps without drafting)
 
 
 def profile_sizes(max_num_seqs: int) -> list[int]:
@@ -120,14 +121,14 @@ class _Timer:
 def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False,
                  chain: int = 0) -> ModelCall:
     """``b`` requests verifying ``k`` drafts each; ``chain``: a draft model's call drafting that many
-    tokens per request (``ModelCall.draft_chain``)."""
+    tokens per request (``ModelCall.draft_chain``) after feeding ``1 + k`` (a catch-up)."""
     q = 1 + k
     return ModelCall(
         input_ids=np.full(b * q, 3, np.int64),
         positions=np.tile(np.arange(ctx, ctx + q, dtype=np.int64), b),
         query_lens=np.full(b, q, np.int32),
         block_tables=np.tile(np.asarray(table, np.int32), (b, 1)),
-        sample_indices=np.arange(b * q, dtype=np.int64),
+        sample_indices=np.arange(q - 1, b * q, q, dtype=np.int64) if chain else np.arange(b * q, dtype=np.int64),
         return_logits=np.array([logits]),
         return_hidden=np.array([hidden]),
         draft_chain=np.full(b if chain else 0, chain, np.int32),
@@ -257,7 +258,7 @@ def profile_propose(executor: Executor, spec: ProfileSpec, stages: set[str] = fr
     proposer = PROPOSER_STAGE.get(spec.method) if spec.max_k >= 1 else None
     if proposer is None:
         return ProposeCost(fixed=1e-5, per_draft=1e-5, per_depth=0.0)
-    ctx0, _, table, _ = _geometry(spec)
+    ctx0, ctx1, table, _ = _geometry(spec)
     timer = _timer(executor, spec, table, ctx0, clock, set(stages) | {proposer})
     big_k = spec.max_k
     rows = []
@@ -270,7 +271,14 @@ def profile_propose(executor: Executor, spec: ProfileSpec, stages: set[str] = fr
             rows.append((1.0, b * k, k, t))
     arr = np.array(rows)
     p0, p_draft, p_depth = _fit_nonneg(arr[:, :3], arr[:, 3])
-    return ProposeCost(fixed=float(p0), per_draft=float(max(p_draft, 1e-7)), per_depth=float(p_depth))
+    per_fed = 0.0
+    if proposer == "draft":  # a catch-up: the largest batch feeding n tokens each, then drafting one
+        n = max(2, min(CATCH_UP, ctx1 + big_k + 1 - ctx0))  # inside the shared table
+        b = max([s for s in profile_sizes(spec.max_num_seqs) if s * n <= spec.max_num_batched_tokens] or [1])
+        t = timer("draft", _target_call(b, n - 1, ctx0, table, False, chain=1))
+        per_fed = max(t - (p0 + p_draft * b + p_depth), 0.0) / (b * (n - 1))
+    return ProposeCost(fixed=float(p0), per_draft=float(max(p_draft, 1e-7)), per_depth=float(p_depth),
+                       per_fed=float(per_fed))
 
 
 def calibrate(executor: Executor, spec: ProfileSpec,

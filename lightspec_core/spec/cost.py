@@ -70,14 +70,20 @@ class VerifyCost:
 @dataclass
 class ProposeCost:
     """The proposer's time for D drafts whose longest chain is ``depth``: a fixed part, a part per
-    draft (rows through a head or a draft-model step) and a part per sequential head/step."""
+    draft (rows through a head or a draft-model step) and a part per sequential head/step.
+
+    ``per_fed`` prices the tokens a draft model catches up on beyond one per drafting request (see
+    ``Proposal.fed``): a prompt, or the tokens decoded while a request did not draft. Measured time
+    is compared with a prediction that counts them; otherwise a catch-up read as dear drafts, the
+    policy drafted less, requests fell further behind, and the next catch-up cost more still."""
 
     fixed: float = 5e-4
     per_draft: float = 5e-5
     per_depth: float = 1e-4
+    per_fed: float = 0.0
 
-    def predict(self, drafts: int, depth: int) -> float:
-        return self.fixed + self.per_draft * drafts + self.per_depth * depth if drafts else 0.0
+    def predict(self, drafts: int, depth: int, fed: int = 0) -> float:
+        return self.fixed + self.per_draft * drafts + self.per_depth * depth + self.per_fed * fed if drafts else 0.0
 
 
 class CostModel:
@@ -137,8 +143,9 @@ class CostModel:
         seen = min(max(seconds, now / 4.0), now * 4.0)
         self.verify_extra += self.smoothing * (seen - predicted - self.verify_extra)
 
-    def observe_propose(self, drafts: int, depth: int, seconds: float) -> None:
-        self.propose_scale = self._track(self.propose_scale, self.propose.predict(drafts, depth), seconds)
+    def observe_propose(self, drafts: int, depth: int, seconds: float, fed: int = 0) -> None:
+        """``fed``: tokens the proposer caught up on beyond one per drafting request."""
+        self.propose_scale = self._track(self.propose_scale, self.propose.predict(drafts, depth, fed), seconds)
 
     def observe_overhead(self, seconds: float, weight: float = 0.05) -> None:
         self.overhead += weight * (max(seconds, 0.0) - self.overhead)

@@ -77,7 +77,7 @@ class DraftModelProposer(StatelessProposer):
             res = self._call(sub, inputs, starts, sub_tables, chain)
             for r, (i, s) in enumerate(zip(idx, sub)):
                 s.draft_computed = s.num_tokens + chain[r] - 1  # the last draft is not fed
-                out[i] = Proposal([int(t) for t in res.next_draft_ids[r, : chain[r]]], None)
+                out[i] = Proposal([int(t) for t in res.next_draft_ids[r, : chain[r]]], None, fed=len(inputs[r]) - 1)
             return out
         drafts: list[list[int]] = [[] for _ in sub]
         qs: list[list[np.ndarray]] = [[] for _ in sub]
@@ -99,5 +99,5 @@ class DraftModelProposer(StatelessProposer):
                 qs[r].append(q[n])
         for r, i in enumerate(idx):
             q = np.stack(qs[r]) if qs[r][0] is not None else None
-            out[i] = Proposal(drafts[r], q)
+            out[i] = Proposal(drafts[r], q, fed=len(inputs[r]) - 1)
         return out

@@ -26,6 +26,7 @@ class Proposal:
     q: np.ndarray | None  # fp32 [len(draft_ids), V]
     conf: list[float] | None = None  # each draft's confidence (MTP with a confidence stop, see ConfidenceStats)
     fused: bool = False  # proposed by the target stage with the previous step (fused MTP): no stage call now
+    fed: int = 0  # tokens fed to propose it beyond the request's newest (a draft model catching up)
 
 
 class Proposer(Protocol):

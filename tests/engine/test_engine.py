@@ -83,6 +83,27 @@ def test_a_greedy_draft_chain_proposes_what_a_call_per_draft_does_in_one_call(ex
     assert results[True][1] < results[False][1] / 2
 
 
+@pytest.mark.parametrize("chains", [True, False])
+def test_the_draft_models_catch_up_reaches_the_cost_model(exactness_setup, monkeypatch, chains):
+    """Each propose call reports the tokens the draft model fed beyond one per drafting request:
+    the whole prompt (and the token its prefill made) before a request's first drafts, then what the last verification left
+    unseen, which is less than the drafts a request was given (see ``ProposeCost.per_fed``)."""
+    root, prompts, params, ref = exactness_setup
+    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="draft", policy="static:3"))
+    try:
+        eng.proposer.chains = chains
+        seen = []
+        monkeypatch.setattr(eng.cost, "observe_propose", lambda d, depth, s, fed=0: seen.append((d, depth, fed)))
+        prompt_ids = [eng._checked_prompt(p, params) for p in prompts[:2]]
+        outs = eng.generate(prompts[:2], params)
+    finally:
+        eng.close()
+    assert [o.output_token_ids for o in outs] == ref[:2]
+    assert seen[0] == (6, 3, sum(len(ids) for ids in prompt_ids))  # the prompt and its prefill's token, less one
+    later = [fed for _, _, fed in seen[1:]]
+    assert len(later) > 10 and max(later) <= 2 * 2 and sum(later) > 0
+
+
 @pytest.mark.parametrize("method", ["none", "mtp", "draft", "ngram"])
 def test_prefix_cache_skips_shared_prefill_and_keeps_outputs_exact(exactness_setup, method):
     """Requests that share a prompt prefix with earlier ones compute only the rest: the engine counts

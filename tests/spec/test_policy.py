@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -167,6 +168,9 @@ class _FakeStages:
                 t += 2e-5 * len(call.sample_indices)
             t += 1.5e-4 * int(np.asarray(call.mtp_drafts).sum())  # fused MTP heads: per head and request
             self.target_calls.append(call)
+        elif stage == "draft":  # a chain of k drafts after feeding every request's tokens
+            b, k = len(call.query_lens), int(call.draft_chain.max())
+            t = 3e-4 + 2e-4 * k + 5e-5 * b * k + 1e-5 * (int(call.query_lens.sum()) - b)
         else:  # mtp
             k = int(call.num_tokens.max())
             t = 2e-4 * k + 5e-5 * len(call.num_tokens) * k
@@ -246,6 +250,29 @@ def test_fused_heads_run_one_draft_beyond_the_policys_choice():
     assert fused.target_inputs(seqs[:2], [False, True], [3, 3])["mtp_drafts"].tolist() == [0, 4]
     seqs[0].num_computed = 20  # its prompt's last chunk: the policy has not chosen its depth yet
     assert fused.target_inputs(seqs[:2], [True, True], [0, 0])["mtp_drafts"].tolist() == [4, 1]
+
+
+def test_a_draft_models_catch_up_is_priced_apart_from_its_drafts():
+    """A request that did not draft for a while (or has just had its prompt) makes the draft model
+    catch up on every token it has not seen before its first draft. The profile prices those
+    tokens apart (``per_fed``) and the propose calls that carry them are judged with that price:
+    measured against drafts alone, a probe after eight quiet steps read as a draft model four
+    times dearer than profiled, the policy drafted less, and the next catch-up was longer still."""
+    from lightspec_core.config import SpecMethod
+    from lightspec_core.spec.calibrate import ProfileSpec, profile_propose
+
+    stages = _FakeStages()
+    spec = ProfileSpec(SpecMethod.DRAFT, 4, 16, 1024, 64, 2048, 1024, 8)
+    p = profile_propose(stages, spec, {"target", "draft"}, clock=stages.clock)
+    assert abs(p.fixed - 3e-4) < 1e-9 and abs(p.per_depth - 2e-4) < 1e-9 and abs(p.per_draft - 5e-5) < 1e-9
+    assert abs(p.per_fed - 1e-5) < 1e-9
+    priced, unpriced = CostModel(propose=p), CostModel(propose=dataclasses.replace(p, per_fed=0.0))
+    for _ in range(100):  # probes: 64 requests draft one each after 8 steps without drafting
+        seconds = p.predict(64, 1, fed=64 * 8)
+        priced.observe_propose(64, 1, seconds, fed=64 * 8)
+        unpriced.observe_propose(64, 1, seconds, fed=64 * 8)
+    assert abs(priced.propose_scale - 1.0) < 1e-9
+    assert unpriced.propose_scale > 2.0 and unpriced.per_slot(64) > priced.per_slot(64)
 
 
 def test_a_lone_request_drafts_less_than_each_request_of_a_full_batch():
