@@ -48,8 +48,8 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--requests",
         type=int,
-        help="requests per run (default: max(16, 2 x concurrency), --quick max(16, 4 x C), --workload mixed "
-        "max(16, 8 x C); rates: 8 s of arrivals)",
+        help="requests per run (default: max(16, 2 x concurrency), --peer and --workload mixed max(16, 8 x C), "
+        "--quick max(16, 4 x C); rates: 8 s of arrivals)",
     )
     p.add_argument("--max-tokens", type=int, help="tokens per request (default 128; 32 with --quick)")
     p.add_argument("--max-draft-tokens", type=int, default=4, help="K for dynamic (default 4)")
