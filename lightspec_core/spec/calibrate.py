@@ -5,7 +5,8 @@ steps, where it runs (in this process, or in a Triton stage model's own process 
 the engine then fetches the result, see ``Executor.profile``): the target
 at each batch size B in 1, 2, 4, ... ``max_num_seqs`` with one token per request and with K drafts
 each, one longer context, one prompt chunk, the largest step again with its logits returned (what a
-sampled request's row costs more), and the proposer at depth 1 and K. The dynamic policy
+sampled request's row costs more), and the proposer at depth 1 and K (a draft model also on one
+catch-up: requests feeding several tokens before their draft). The dynamic policy
 plans with the fitted :class:`~lightspec_core.policy.VerifyCost` / ``ProposeCost``; measurement
 while serving then only rescales them (see ``CostModel``).
 
