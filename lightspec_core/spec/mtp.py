@@ -39,7 +39,7 @@ class MTPProposer:
             # its depth can grow a draft a step, and heads whose drafts the policy would not take do
             # not run (each is a pass over every request; the policy prices them as the proposer's)
             inputs["mtp_drafts"] = np.array([
-                min(s.draft_cap(self.max_k), self.max_k if s.num_computed < len(s.token_ids) - 1 else k + 1)
+                min(s.draft_cap(self.max_k), k + 1 if s.is_decoding else self.max_k)
                 if smp and g else 0 for s, smp, g, k in zip(seqs, samples, greedy, ks)], np.int32)
             inputs["mtp_conf"] = np.array([self.confidence is not None])
         return inputs
