@@ -158,6 +158,24 @@ def test_attention_pads_each_request_only_within_its_group():
     assert decode.tile_rows.view(3, 2, 19)[1, 1, :3].tolist() == [2 * 20 + 1, 2 * 21 + 1, 2 * 22 + 1]
 
 
+def test_a_chunk_groups_mask_shows_each_query_its_own_and_earlier_keys_and_padding_key_zero():
+    """Requests of 9 and 12 new tokens share a chunk group padded to 12 queries: a query at position
+    p sees keys 0..p; the shorter request's padded queries see key 0 only (a finite softmax)."""
+    pos = torch.cat([torch.arange(3, 12), torch.arange(20, 32)])
+    bt = torch.arange(16, dtype=torch.int32).view(2, 8)
+    batch = PagedBatch.build(torch.zeros(len(pos), dtype=torch.int64), pos, [9, 12], bt, 4, torch.arange(21), 1, 4)
+    (g,) = batch.groups
+    mask = g.mask
+    assert mask.shape == (2, 1, 12, 32) and mask.dtype == torch.float32
+    keys = torch.arange(32)
+    for r, first in enumerate((3, 20)):
+        for i in range(12):
+            p = first + i if r == 1 or i < 9 else -1
+            visible = keys <= p if p >= 0 else keys == 0
+            assert torch.equal(mask[r, 0, i] == 0, visible), (r, i)
+            assert torch.isneginf(mask[r, 0, i][~visible]).all()
+
+
 @pytest.mark.parametrize("q_len", [1, 3, 40])
 def test_attention_read_from_the_pool_equals_the_fused_kernel_over_gathered_context(q_len):
     """The two attention routines of a group (sums of pool rows for decoding and verification, the
