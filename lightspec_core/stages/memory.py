@@ -24,12 +24,12 @@ def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: 
     in again on the next allocation. True if glibc accepted both settings.
 
     A step's temporaries on a CPU are megabytes (the logits of a verification step: 5 MB at 64
-    requests x 5 tokens; on torch's attention path the keys and values a layer gathers): with
-    glibc's defaults such a block comes from ``mmap`` and goes back with ``munmap``, and the next
-    step pays a page fault and a zeroed page for every 4 KB of it. Serving blocks up to
-    ``mmap_threshold`` from the heap, and keeping up to ``trim_threshold`` bytes of freed heap, makes
-    a step reuse the memory the previous one freed; with the defaults a full batch's step takes
-    1.06-1.29x as long (docs/benchmarks.md, "Why the defaults").
+    requests x 5 tokens, its activations, a prompt chunk's attention mask): with glibc's defaults
+    such a block comes from ``mmap`` and goes back with ``munmap``, and the next step pays a page
+    fault and a zeroed page for every 4 KB of it. Serving blocks up to ``mmap_threshold`` from the
+    heap, and keeping up to ``trim_threshold`` bytes of freed heap, makes a step reuse the memory
+    the previous one freed; with the defaults a full batch's step takes 1.06-1.29x as long
+    (docs/benchmarks.md, "Why the defaults").
     The cost is that a stage process keeps the memory of its largest step until it exits."""
     mallopt = _mallopt()
     if mallopt is None:
