@@ -70,6 +70,7 @@ class DraftModelProposer(StatelessProposer):
         # catch up: every unseen known token, sample after the newest one
         inputs = [s.token_ids[s.draft_computed:] for s in sub]
         starts = [s.draft_computed for s in sub]
+        fed = [len(toks) - 1 for toks in inputs]  # beyond the newest token (see Proposal.fed)
         if self.chains and all(s.params.greedy for s in sub):
             # greedy drafts need no proposal distribution: the stage feeds each request's drafts back
             # itself, one call for the whole chain instead of one per draft (ModelCall.draft_chain)
@@ -77,7 +78,7 @@ class DraftModelProposer(StatelessProposer):
             res = self._call(sub, inputs, starts, sub_tables, chain)
             for r, (i, s) in enumerate(zip(idx, sub)):
                 s.draft_computed = s.num_tokens + chain[r] - 1  # the last draft is not fed
-                out[i] = Proposal([int(t) for t in res.next_draft_ids[r, : chain[r]]], None, fed=len(inputs[r]) - 1)
+                out[i] = Proposal([int(t) for t in res.next_draft_ids[r, : chain[r]]], None, fed=fed[r])
             return out
         drafts: list[list[int]] = [[] for _ in sub]
         qs: list[list[np.ndarray]] = [[] for _ in sub]
@@ -99,5 +100,5 @@ class DraftModelProposer(StatelessProposer):
                 qs[r].append(q[n])
         for r, i in enumerate(idx):
             q = np.stack(qs[r]) if qs[r][0] is not None else None
-            out[i] = Proposal(drafts[r], q, fed=len(inputs[r]) - 1)
+            out[i] = Proposal(drafts[r], q, fed=fed[r])
         return out

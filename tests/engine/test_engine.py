@@ -86,8 +86,9 @@ def test_a_greedy_draft_chain_proposes_what_a_call_per_draft_does_in_one_call(ex
 @pytest.mark.parametrize("chains", [True, False])
 def test_the_draft_models_catch_up_reaches_the_cost_model(exactness_setup, monkeypatch, chains):
     """Each propose call reports the tokens the draft model fed beyond one per drafting request:
-    the whole prompt (and the token its prefill made) before a request's first drafts, then what the last verification left
-    unseen, which is less than the drafts a request was given (see ``ProposeCost.per_fed``)."""
+    the whole prompt (and the token its prefill made) before a request's first drafts, then what
+    the last verification left unseen, which is less than the drafts a request was given (see
+    ``ProposeCost.per_fed``)."""
     root, prompts, params, ref = exactness_setup
     eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="draft", policy="static:3"))
     try:
