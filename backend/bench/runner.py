@@ -217,10 +217,13 @@ def steal_share(before: list[int] | None, after: list[int] | None) -> float | No
 
 def _measure(url: str, metrics_url: str | None, model: str, load: Load, plan: BenchPlan, stream=None):
     """(records, duration, metrics before, metrics after, CPU steal share) of one run after its warm-up."""
+    # the warm-up's requests must be in the server's counters before the baseline is taken (the
+    # backend publishes them at most every 0.25 s), else the run's figures would count them
+    earlier = scrape(metrics_url)
     warm_up(url, model, plan, stream)
-    before = scrape(metrics_url)
-    if before is not None:  # settle: the warm-up's counters must be in before the baseline is taken
-        before = wait_for_requests(metrics_url, model, finished_requests(before, model), 2.0)
+    before = None
+    if earlier is not None:
+        before = wait_for_requests(metrics_url, model, finished_requests(earlier, model) + plan.warmup, 5.0)
     cpu_before = cpu_times()
     records, duration = _drive(url, model, load, plan, stream)
     steal = steal_share(cpu_before, cpu_times())

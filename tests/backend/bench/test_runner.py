@@ -130,3 +130,38 @@ def test_bench_switches_models_only_when_needed_and_returns_runs_config_by_confi
                                                               ("lightspec_mtp_dynamic", 1), ("lightspec_mtp_dynamic", 2)]  # fmt: skip
     # each keeps its median round: none at c=1 made 10, then (second in round 2) 22, then 11
     assert runs[0]["throughput_tok_s"] == 11.0 and runs[0]["throughput_repeats"] == [10.0, 22.0, 11.0]
+
+
+def test_the_baseline_is_taken_once_the_warm_ups_requests_are_counted(monkeypatch):
+    """The backend publishes its counters at most every 0.25 s: a baseline scraped as the warm-up
+    ends can miss the warm-up's requests, and the run's figures would then count them."""
+    from lightspec_backend.bench import scrape as scrape_mod
+    from lightspec_backend.bench.scrape import finished_requests, parse_metrics
+
+    published = {"n": 0}
+    events = []
+
+    def fake_scrape(url):
+        events.append(("scrape", published["n"]))
+        text = f'vllm:request_success_total{{model_name="m",finished_reason="length"}} {published["n"]}\n'
+        if events.count(("scrape", 0)) == 3:  # the warm-up's two requests show up on the third look
+            published["n"] = 2
+        return parse_metrics(text)
+
+    def fake_warm_up(url, model, plan, stream=None):
+        events.append(("warm-up", plan.warmup))
+
+    def fake_drive(url, model, load, plan, stream=None):
+        published["n"] += 3  # the run's requests, published by the time the run ends
+        return [object()] * 3, 1.0
+
+    for module in (runner, scrape_mod):
+        monkeypatch.setattr(module, "scrape", fake_scrape)
+    monkeypatch.setattr(runner, "warm_up", fake_warm_up)
+    monkeypatch.setattr(runner, "_drive", fake_drive)
+    monkeypatch.setattr(runner.time, "sleep", lambda s: None)
+    plan = BenchPlan([], [], [Prompt("a", "code")], max_tokens=8, requests=3, warmup=2)
+    records, _, before, after, _ = runner._measure("u", "metrics", "m", Load(concurrency=1), plan)
+    assert events[0] == ("scrape", 0) and events[1] == ("warm-up", 2)
+    assert finished_requests(before, "m") == 2  # not 0: the warm-up's requests are in the baseline
+    assert finished_requests(after, "m") - finished_requests(before, "m") == len(records) == 3
