@@ -88,6 +88,7 @@ class BLSExecutor:
         self._pending: dict[int, tuple[float, Future, str]] = {}  # calls with a deadline, by id(future)
         self._pending_lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
+        self._closed = threading.Event()  # ends the watchdog
 
     def submit(self, stage: str, call) -> Future:
         if stage not in self.stage_models:
@@ -122,8 +123,7 @@ class BLSExecutor:
         return outer
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(0.25, self.stage_timeout_s / 4))
+        while not self._closed.wait(min(0.25, self.stage_timeout_s / 4)):
             now = time.monotonic()
             with self._pending_lock:
                 expired = [k for k, (deadline, _, _) in self._pending.items() if deadline <= now]
@@ -191,5 +191,6 @@ class BLSExecutor:
         return tensors
 
     def close(self) -> None:
+        self._closed.set()
         for pool in self._pools.values():
             pool.shutdown(wait=True)

@@ -216,7 +216,10 @@ def test_stage_call_past_the_stage_timeout_raises_stage_unavailable():
         ex.submit("target", _one_token_call()).result(timeout=10)
     assert time.monotonic() - t0 < 2 and faults == ["lightspec_target"]
     release.set()  # the late answer is dropped, not raised anywhere
+    watchdog = ex._watchdog
     ex.close()
+    watchdog.join(timeout=2)
+    assert not watchdog.is_alive()  # a closed executor leaves no thread behind
 
 
 def test_stage_error_that_is_not_a_dead_stub_stays_internal():
