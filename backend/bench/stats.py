@@ -88,10 +88,15 @@ def _run_name(r: dict, rounds: bool = False) -> str:
 
 
 def run_caveats(runs: list[dict], steal_threshold: float = 0.1, rounds: bool = False) -> list[str]:
-    """Notes on runs whose figures say less than their level: :func:`underloaded` ones, and those
-    during which the hypervisor gave more than ``steal_threshold`` of the CPU to other machines.
-    ``rounds``: the runs are every round's, and each note names its run's round."""
+    """Notes on runs whose figures say less than their level: those with failed requests (a failed
+    request's client made no tokens for a while, and its tokens are missing), :func:`underloaded`
+    ones, and those during which the hypervisor gave more than ``steal_threshold`` of the CPU to
+    other machines. ``rounds``: the runs are every round's, and each note names its run's round."""
     notes = []
+    failed = [r for r in runs if r.get("errors")]
+    if failed:
+        names = "; ".join(f"{_run_name(r, rounds)}: {r['errors']} of {r.get('requests')}" for r in failed)
+        notes.append(f"note: requests failed in: {names} (their ratios are not the level's)")
     low = underloaded(runs)
     if low:
         names = "; ".join(f"{_run_name(r, rounds)}: {r['mean_in_flight']:.1f} in flight" for r in low)

@@ -60,6 +60,9 @@ def test_runs_that_held_fewer_requests_than_their_level_are_named():
     assert run_caveats(runs[:1]) == []
     runs[0]["cpu_steal_share"], runs[1]["cpu_steal_share"] = 0.28, 0.02
     assert run_caveats(runs)[1] == "note: CPU time taken by other machines on the host during: lightspec_none grpc c=64: 28 %"
+    runs[1]["errors"] = 3  # failed requests come first: a run with them measured fewer clients
+    assert run_caveats(runs)[0] == "note: requests failed in: vllm none http c=64: 3 of 128 (their ratios are not the level's)"
+    assert len(run_caveats(runs)) == 3
 
 
 def test_steal_share_is_the_steal_field_of_the_cpu_times_between_two_readings():
