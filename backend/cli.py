@@ -191,7 +191,10 @@ def serve(args) -> int:
         return 1
     from .supervisor import Supervisor
 
+    # SIGINT too, explicitly: a process started with SIGINT ignored (a background job of a script)
+    # keeps Python from installing its handler, and then Ctrl-C or `kill -INT` would not stop it
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
     (default_cache_dir() / "control").mkdir(parents=True, exist_ok=True)
     control = Path(tempfile.mkdtemp(dir=default_cache_dir() / "control"))
     supervisor = Supervisor(server, control)
