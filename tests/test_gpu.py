@@ -12,6 +12,8 @@ from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from lightspec_core.stages.contract import MTPCall
 from lightspec_core.stages.mtp import MTPRunner
 from lightspec_core.stages.target import ModelRunner
+from tests.models.factories import CASES, save_hf_checkpoint
+from tests.models.test_llama import max_diff_against_transformers
 from tools.bench_engine import code_prompts
 from tools.bench_runner import step_call
 
@@ -40,6 +42,17 @@ def test_target_step_on_gpu_matches_cpu(default_model):
     gpu = ModelRunner(target, num_blocks=8 * 7, block_size=16, device="cuda").execute(call)
     assert np.abs(gpu.hidden - cpu.hidden).max() < 1e-3
     assert (gpu.top1_ids == cpu.top1_ids).mean() > 0.99  # a near-tie may flip between devices, not more
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_family_on_gpu_equals_transformers_on_gpu(case, tmp_path):
+    """The checks of tests/models/test_llama.py (packed prefills, a rolled-back verification, a lone
+    decode row over scattered blocks) with the runner and transformers both on the GPU."""
+    model_type, overrides, saving = CASES[case]
+    model_dir = save_hf_checkpoint(tmp_path / case, model_type, overrides, **saving)
+    diff = max_diff_against_transformers(model_dir, device="cuda")
+    print(f"{case}: max |logit difference| on cuda {diff:.2e}")
+    assert diff < 1e-3  # fp32 on both sides; GPU reduction orders differ from each other, not by more
 
 
 def test_mtp_heads_on_gpu_match_cpu(default_model):

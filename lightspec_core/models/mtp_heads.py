@@ -125,7 +125,8 @@ class FoldedMTPHead:
             self.w_lm = (lm_weight * head.out_norm.weight).contiguous()  # [V_draft, H]
         self.eps = eps
         self.h = h
-        self._tok_table_np = self.tok_table.numpy()  # the same storage, for one_row
+        # the same storage, for one_row (MTPRunner takes that path only for heads on the CPU)
+        self._tok_table_np = self.tok_table.numpy() if self.tok_table.device.type == "cpu" else None
 
     def __call__(self, state: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """state [B, H], tok [B] -> (next state [B, H], logits over the LM head's rows [B, V_draft])."""

@@ -31,20 +31,20 @@ def _step(runner: ModelRunner, reqs: list[tuple[list[int], int]], tables: list[l
     return runner.execute(call).logits
 
 
-def max_diff_against_transformers(model_dir: Path) -> float:
+def max_diff_against_transformers(model_dir: Path, device: str = "cpu") -> float:
     """Two prefills of different lengths and a decode packed in one step, then a verification of
     four drafts rolled back to one and the positions after it re-fed, then a lone decode row: the
     largest difference between the runner's logits and transformers' full-sequence logits at the
-    same positions."""
+    same positions. ``device``: where both the runner and transformers run."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
 
     def reference(ids: list[int]) -> np.ndarray:
         with torch.no_grad():
-            return hf(torch.tensor([ids])).logits[0].numpy()
+            return hf(torch.tensor([ids], device=device)).logits[0].cpu().numpy()
 
-    runner = ModelRunner(model_dir, num_blocks=24, block_size=8)
+    runner = ModelRunner(model_dir, num_blocks=24, block_size=8, device=device)
     rng = np.random.default_rng(0)
     a, b, c = (rng.integers(3, 256, n).tolist() for n in (44, 9, 31))
     tables = [[9, 2, 17, 4, 11, 6], [0, 20], [13, 1, 8, 22]]  # scattered, non-contiguous blocks
