@@ -208,9 +208,15 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     response_threads = _positive_int(params, "response_threads", BackendConfig.response_threads, 64)
     if stages in STAGES_IN_ORCHESTRATOR and not params.get("decode_threads", "").strip():
         engine = dataclasses.replace(engine, decode_threads=serving_decode_threads(engine.num_threads, available_cpus()))
+    if stages in STAGES_IN_ORCHESTRATOR and not params.get("decode_nice", "").strip():
+        # the lone decoding thread ahead of the frontend's processes (stages.executor.LoneDecodePriority)
+        engine = dataclasses.replace(engine, decode_nice=SERVING_DECODE_NICE)
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
                          orchestrator_model=front_target, stage_timeout_s=stage_timeout_s,
                          stages=stages, response_threads=response_threads)  # fmt: skip
+
+
+SERVING_DECODE_NICE = -10
 
 
 def serving_decode_threads(num_threads: int, cpus: int) -> int:

@@ -161,7 +161,10 @@ class EngineConfig:
     whose prompts start the same way (``engine.block_manager``).
     ``num_threads``: torch's intra-op threads (0: torch's default, one per CPU); ``decode_threads``:
     those of a target or draft call in which every request feeds one token (0: as the others). A
-    server sets it to one per CPU but one (see ``lightspec_backend.params``).
+    server sets it to one per CPU but one (see ``lightspec_backend.params``). ``decode_nice`` (-20..0;
+    0 leaves priorities alone): the nice value of such a call where it runs on one thread
+    (``decode_threads`` 1), so that a server's frontend processes do not preempt it
+    (``stages.executor.LoneDecodePriority``); a server sets -10.
     """
 
     model_dir: str | None = None
@@ -183,6 +186,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int = 0
     decode_threads: int = 0
+    decode_nice: int = 0
     profile_stages: bool = True
     confidence_stop: bool = False
     mtp: str = MTP_FUSED
@@ -207,6 +211,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise _bad(name, v, "must be 0 (the default) or a positive integer")
+        if not isinstance(self.decode_nice, int) or not -20 <= self.decode_nice <= 0:
+            raise _bad("decode_nice", self.decode_nice, "must be in -20..0 (0: priorities left alone)")
         if self.pipeline_depth not in (1, 2):
             raise _bad("pipeline_depth", self.pipeline_depth, "must be 1 or 2")
         if not 0.0 < self.kv_high_water <= 1.0:

@@ -50,7 +50,8 @@ def build_local_executor(cfg: EngineConfig, max_context: int | None = None) -> L
     if cfg.method is SpecMethod.DRAFT:
         runners["draft"] = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, cfg.device, dtype=cfg.dtype,
                                        max_context=ctx)
-    return LocalExecutor(runners, threaded=cfg.pipeline_depth > 1, decode_threads=cfg.decode_threads)
+    return LocalExecutor(runners, threaded=cfg.pipeline_depth > 1, decode_threads=cfg.decode_threads,
+                         decode_nice=cfg.decode_nice)
 
 
 def make_proposer(cfg: EngineConfig, executor: Executor, k: int) -> Proposer:

@@ -54,6 +54,7 @@ def test_empty_string_means_default():
         ({"role": "router"}, "role='router'"),
         ({"num_kv_block": "64"}, "num_kv_block='64'"),  # typo: unknown parameter
         ({"decode_threads": "-1"}, "decode_threads=-1"),
+        ({"decode_nice": "3"}, "decode_nice=3"),
         ({"response_threads": "0"}, "response_threads='0'"),
         ({"response_threads": "two"}, "response_threads='two'"),
     ],
@@ -241,3 +242,7 @@ def test_an_engine_in_the_orchestrator_decodes_with_a_core_left_to_serving(monke
     assert parse_backend_config({"stages": "process"}).engine.decode_threads == 1
     # stage models over BLS pick their threads per call themselves (stage_threads)
     assert parse_backend_config(BLS).engine.decode_threads == 0
+    # the lone decoding thread runs ahead of the frontend's processes (LoneDecodePriority)
+    assert parse_backend_config({"stages": "process"}).engine.decode_nice == -10
+    assert parse_backend_config({"stages": "local", "decode_nice": "0"}).engine.decode_nice == 0
+    assert parse_backend_config(BLS).engine.decode_nice == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -531,17 +533,10 @@ def test_local_stage_futures_carry_the_time_the_stage_answered(threaded):
     ex.close()
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_decode_only_calls_run_on_decode_threads_and_the_others_on_the_engine_threads(threaded):
+def _calls():
     import numpy as np
-    import torch
 
     from lightspec_core.stages.contract import ModelCall
-    from lightspec_core.stages.executor import LocalExecutor
-
-    class Runner:
-        def execute(self, call):
-            return torch.get_num_threads()
 
     def call(query_lens):
         return ModelCall(input_ids=np.zeros(sum(query_lens), np.int64), positions=np.zeros(sum(query_lens), np.int64),
@@ -549,11 +544,24 @@ def test_decode_only_calls_run_on_decode_threads_and_the_others_on_the_engine_th
                          sample_indices=np.zeros(0, np.int64), return_logits=np.array([False]),
                          return_hidden=np.array([False]))  # fmt: skip
 
+    return call([1, 1, 1]), call([1, 5, 1]), call([40])
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_decode_only_calls_run_on_decode_threads_and_the_others_on_the_engine_threads(threaded):
+    import torch
+
+    from lightspec_core.stages.executor import LocalExecutor
+
+    class Runner:
+        def execute(self, call):
+            return torch.get_num_threads()
+
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
         ex = LocalExecutor({"target": Runner()}, threaded=threaded, decode_threads=1)
-        decode, verify, prefill = call([1, 1, 1]), call([1, 5, 1]), call([40])
+        decode, verify, prefill = _calls()
         got = [ex.submit("target", c).result() for c in (decode, verify, decode, prefill, decode)]
         assert got == [1, 3, 1, 3, 1]
         ex.close()
@@ -561,6 +569,73 @@ def test_decode_only_calls_run_on_decode_threads_and_the_others_on_the_engine_th
         assert unchanged.submit("target", decode).result() == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+class _NiceRunner:
+    """Reports the nice value of the thread that runs the call."""
+
+    def execute(self, call):
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def _in_own_thread(fn):
+    """``fn()`` on a thread of its own: a thread's priority, once raised, stays with that thread."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a thread's priority needs root (CAP_SYS_NICE); CI runs as root")
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_lone_decoding_thread_runs_at_decode_nice_and_every_other_call_at_its_own(threaded):
+    import torch
+
+    from lightspec_core.stages.executor import LocalExecutor
+
+    decode, verify, prefill = _calls()
+    before = torch.get_num_threads()
+
+    def run(decode_threads):
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        ex = LocalExecutor({"target": _NiceRunner()}, threaded=threaded, decode_threads=decode_threads, decode_nice=-7)
+        try:
+            return own, [ex.submit("target", c).result() for c in (decode, verify, decode, prefill, decode, verify)]
+        finally:
+            ex.close()
+
+    try:
+        torch.set_num_threads(2)
+        own, got = _in_own_thread(lambda: run(1))
+        assert got == [-7, own, -7, own, -7, own]
+        # decoding on two threads: the OpenMP workers would stay at the process's priority, so none is raised
+        own, got = _in_own_thread(lambda: run(2))
+        assert got == [own] * 6
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_without_cap_sys_nice_decoding_keeps_its_priority_and_says_why_once(monkeypatch, caplog):
+    from lightspec_core.stages import executor
+
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(executor.os, "setpriority", refused)
+    decode, verify, _ = _calls()
+    ex = executor.LocalExecutor({"target": _NiceRunner()}, decode_threads=1, decode_nice=-10)
+
+    def run():
+        return os.getpriority(os.PRIO_PROCESS, 0), [ex.submit("target", c).result() for c in (decode, verify, decode)]
+
+    with caplog.at_level("WARNING", logger="lightspec"):
+        own, got = _in_own_thread(run)
+    assert got == [own] * 3
+    refusals = [r.getMessage() for r in caplog.records if "decode_nice -10" in r.getMessage()]
+    assert len(refusals) == 1 and "CAP_SYS_NICE" in refusals[0]
+    with pytest.raises(ValueError, match=r"decode_nice=5: must be in -20..0"):
+        EngineConfig(decode_nice=5)
 
 
 def test_decode_threads_reach_the_engine_steps_and_leave_outputs_unchanged(smoke_model):
