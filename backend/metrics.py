@@ -53,6 +53,7 @@ VLLM_NAMES = {
     "request_generation_tokens": "request_generation_tokens",
 }
 DICT_LABELS = {"request_success_total": "finished_reason"}
+FINISHED_COUNTERS = ("request_success_total", "request_failure_total")  # published last (MetricsReporter.publish)
 PREFIX = "lightspec:"
 VLLM_PREFIX = "vllm:"
 
@@ -206,7 +207,19 @@ class MetricsReporter:
             self._last_totals[key] = total
 
     def publish(self, snapshot: dict, observations: list[tuple[str, float, dict]]) -> None:
-        for name, value in snapshot.items():
+        """Observations first, finished-request counters last: a reader that waits for those
+        counters to count its requests (``lightspec bench`` does) then finds every other metric of
+        those requests in the same scrape. Published the other way round, a scrape between the two
+        halves saw a run's requests and steps counted and none of its histograms' observations."""
+        for name, value, labels in observations:
+            buckets = self.buckets.get(name, _LATENCY)
+            extra = {k: str(v) for k, v in labels.items()}
+            if name in BINNED_HISTOGRAMS:
+                self._bin(name, buckets, float(value), extra)
+            else:
+                self._metric(name, "HISTOGRAM", extra, buckets=buckets)[0].observe(float(value))
+        self._publish_bins()
+        for name, value in sorted(snapshot.items(), key=lambda kv: kv[0] in FINISHED_COUNTERS):
             if isinstance(value, (list, tuple)):
                 for pos, v in enumerate(value):
                     self._count(name, float(v), {"position": str(pos)})
@@ -219,14 +232,6 @@ class MetricsReporter:
                 self._count(name, float(value))
             else:
                 self._metric(name, "GAUGE")[0].set(float(value))
-        for name, value, labels in observations:
-            buckets = self.buckets.get(name, _LATENCY)
-            extra = {k: str(v) for k, v in labels.items()}
-            if name in BINNED_HISTOGRAMS:
-                self._bin(name, buckets, float(value), extra)
-            else:
-                self._metric(name, "HISTOGRAM", extra, buckets=buckets)[0].observe(float(value))
-        self._publish_bins()
 
     def _bin(self, name: str, buckets: list[float], value: float, extra: dict[str, str]) -> None:
         key = (name, tuple(sorted(extra.items())))

@@ -146,3 +146,25 @@ def test_grafana_dashboard_reads_only_exported_metrics():
     stats = set(DESCRIPTIONS) | set(HISTOGRAM_BUCKETS) | {"request_prompt_tokens", "request_generation_tokens"}
     exported = {exported_name(s) + sfx for s in stats for sfx in ("", "_bucket", "_sum", "_count")}
     assert used and used <= exported, used - exported
+
+
+def test_finished_request_counters_are_published_after_every_other_metric(monkeypatch):
+    """``lightspec bench`` scrapes until the finished-request counter counts its run: that scrape
+    must already hold the run's other counters and histogram observations."""
+    order = []
+    for method in ("increment", "observe", "set"):
+        real = getattr(FakeMetric, method)
+
+        def spy(self, v, real=real):
+            order.append(self.family.name)
+            real(self, v)
+
+        monkeypatch.setattr(FakeMetric, method, spy)
+    pb = FakePbUtils()
+    r = MetricsReporter(pb, LABELS)
+    snap = {"request_success_total": {"length": 2}, "request_failure_total": 1, **snapshot(engine_steps_total=9)}
+    r.publish(snap, [("scheduler_decision_seconds", 0.001, {}), ("inter_token_latency_seconds", 0.02, {})])
+    finished = [i for i, name in enumerate(order) if "request_success" in name or "request_failure" in name]
+    assert len(finished) == 2 and len(order) > 2
+    assert min(finished) == len(order) - 2, order
+    assert pb.metric_value("lightspec:scheduler_decision_seconds") == 1
