@@ -207,10 +207,13 @@ class MetricsReporter:
             self._last_totals[key] = total
 
     def publish(self, snapshot: dict, observations: list[tuple[str, float, dict]]) -> None:
-        """Observations first, finished-request counters last: a reader that waits for those
-        counters to count its requests (``lightspec bench`` does) then finds every other metric of
-        those requests in the same scrape. Published the other way round, a scrape between the two
-        halves saw a run's requests and steps counted and none of its histograms' observations."""
+        """Gauges and counters, then the histograms' observations, and the finished-request
+        counters last: a reader that waits for those to count its requests (``lightspec bench``
+        does) then finds every other metric of those requests in the same scrape. With every
+        counter first, a scrape between the two halves saw a run's requests and steps counted and
+        none of its histograms' observations."""
+        finished = {k: v for k, v in snapshot.items() if k in FINISHED_COUNTERS}
+        self._publish_snapshot({k: v for k, v in snapshot.items() if k not in FINISHED_COUNTERS})
         for name, value, labels in observations:
             buckets = self.buckets.get(name, _LATENCY)
             extra = {k: str(v) for k, v in labels.items()}
@@ -219,7 +222,10 @@ class MetricsReporter:
             else:
                 self._metric(name, "HISTOGRAM", extra, buckets=buckets)[0].observe(float(value))
         self._publish_bins()
-        for name, value in sorted(snapshot.items(), key=lambda kv: kv[0] in FINISHED_COUNTERS):
+        self._publish_snapshot(finished)
+
+    def _publish_snapshot(self, snapshot: dict) -> None:
+        for name, value in snapshot.items():
             if isinstance(value, (list, tuple)):
                 for pos, v in enumerate(value):
                     self._count(name, float(v), {"position": str(pos)})

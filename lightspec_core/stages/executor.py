@@ -131,7 +131,7 @@ class LoneDecodePriority:
     the stub's responses and local clients, but the scheduler still gives that thread's core to
     them whenever they all wake at once. At c=64 without speculation on two cores it was preempted
     about 2000 times a second and ran 0.78 of a core, with a fifth of the CPU idle; at nice -10 it
-    ran 0.93 of a core and the server made 1.08-1.12x the tokens (docs/benchmarks.md). Not for a
+    ran 0.93 of a core and the server made 1.08-1.14x the tokens (docs/benchmarks.md). Not for a
     call on several threads: there the OpenMP workers, at the process's priority, are the ones the
     serving side takes, and the raised thread waits for them at each loop's end (0.91x at MTP c=64).
 

@@ -6,6 +6,7 @@ it verified, and a request the engine cannot take is refused naming the field.""
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -55,9 +56,14 @@ def test_concurrent_greedy_streams_equal_decoding_without_speculation(server, re
     for t in threads:
         t.join(300)
     assert not errors and got == reference
-    body = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     name = exported_name("spec_decode_num_draft_tokens_total")
-    drafted = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name)]
+    deadline = time.monotonic() + 5.0  # the backend publishes its metrics every 0.25 s and when idle
+    while True:
+        body = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+        drafted = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name)]
+        if (drafted and drafted[0] > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert drafted and drafted[0] > 0, f"{name} not exported or zero"
 
 

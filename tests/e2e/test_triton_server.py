@@ -393,10 +393,13 @@ def test_cancelled_stream_frees_its_request_and_kv_blocks(server):
     assert wait_for(lambda: len(received) > 2, timeout=60)
     client.stop_stream(cancel_requests=True)
     client.close()
-    assert wait_for(lambda: metric(metrics(server), "num_requests_running") == 0, timeout=30)
+    # counted as vLLM counts a cancelled request: finished, with finished_reason="abort" (the
+    # finished-request counters are published last, after the gauges: wait for the count)
+    aborted = lambda: metric(metrics(server), "request_success_total", finished_reason="abort")
+    assert wait_for(lambda: aborted() >= aborts_before + 1, timeout=30)
     after = metrics(server)
+    assert metric(after, "num_requests_running") == 0
     assert metric(after, "kv_cache_usage_ratio") == 0
-    # counted as vLLM counts a cancelled request: finished, with finished_reason="abort"
     assert metric(after, "request_success_total", finished_reason="abort") == aborts_before + 1
     assert len(received) < 999
     # and the server still serves
