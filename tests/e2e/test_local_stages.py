@@ -6,7 +6,6 @@ it verified, and a request the engine cannot take is refused naming the field.""
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -15,7 +14,7 @@ from lightspec_backend.metrics import exported_name
 from lightspec_backend.repository import write_model_repository
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from tests.e2e.test_triton_server import grpc_generate, stop_cleanly, texts
+from tests.e2e.test_triton_server import grpc_generate, stop_cleanly, texts, wait_for
 
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(root):", "class Stack:\n    def push(self, x):"]
 OVERRIDES = {"num_kv_blocks": "128", "block_size": "16", "policy": "static:3"}
@@ -57,14 +56,14 @@ def test_concurrent_greedy_streams_equal_decoding_without_speculation(server, re
         t.join(300)
     assert not errors and got == reference
     name = exported_name("spec_decode_num_draft_tokens_total")
-    deadline = time.monotonic() + 5.0  # the backend publishes its metrics every 0.25 s and when idle
-    while True:
+
+    def drafted() -> list[float]:
         body = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-        drafted = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name)]
-        if (drafted and drafted[0] > 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert drafted and drafted[0] > 0, f"{name} not exported or zero"
+        return [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name)]
+
+    # the backend publishes its metrics every 0.25 s and when idle: wait for the count
+    counts = wait_for(lambda: (d := drafted()) and d[0] > 0 and d, timeout=5.0) or drafted()
+    assert counts and counts[0] > 0, f"{name} not exported or zero"
 
 
 @pytest.mark.triton
