@@ -58,6 +58,33 @@ def test_native_attention_equals_the_reference_and_leaves_other_rows_alone(heads
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads, kvh, hd, block", [(8, 4, 32, 16), (8, 2, 64, 32), (4, 4, 128, 16), (6, 2, 24, 4)])
+def test_a_row_gets_the_same_bits_as_a_decode_row_and_inside_any_verification(heads, kvh, hd, block):
+    """Lossless speculation needs a verification row to equal the decode step of the same token to
+    the bit: the same query at the same position, computed alone, as the last of 2-7 rows, and in
+    a step beside other requests, gives identical outputs (the kernel pads and groups queries)."""
+    gen = torch.Generator().manual_seed(hd)
+    pos, n_blocks = 45, 8 * (64 // block)  # the query row's position; every request draws from one shuffled pool
+    pool = torch.randn(2, n_blocks, kvh, block * hd, generator=gen)
+    tables = torch.randperm(n_blocks, generator=gen)[: 4 * (64 // block)].view(4, -1)  # 4 requests' blocks
+    q_row = torch.randn(heads, hd, generator=gen)
+    outs = []
+    for q_len, others in [(1, []), (2, []), (5, [3, 1]), (7, [1]), (4, [8, 2, 5])]:
+        q_lens, starts = [q_len, *others], [pos - q_len + 1, *[10 * (i + 1) for i in range(len(others))]]
+        rows = torch.randn(sum(q_lens), heads, hd, generator=gen)
+        rows[q_len - 1] = q_row
+        reqs = [0, *[1 + i % 3 for i in range(len(others))]]
+        tiles = torch.stack([tables[r][None, :] * kvh + torch.arange(kvh)[:, None] for r in reqs]).contiguous()
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)])
+        row_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0)[:-1].tolist()], dtype=torch.int64)
+        out = torch.zeros_like(rows)
+        cpu_attention.attend(rows, out, pool[0], pool[1], tiles, row_starts, torch.tensor(q_lens), positions)
+        outs.append(out[q_len - 1])
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+@needs_kernel
 def test_a_query_sees_only_keys_up_to_its_own_position():
     """Keys past a row's position hold huge values: an output that read them would show it."""
     gen = torch.Generator().manual_seed(1)
