@@ -122,8 +122,9 @@ def _local_engine(config):
 
 
 def _process_engine(config, control):
-    """``stages: process``: the engine and its stages in a child process of this one, which only
-    parses requests and sends responses; a child that dies is reported to the supervisor."""
+    """``stages: process``: the engine and its stages in a child process of this one (or in several,
+    ``data_parallel_size``), which only parses requests and sends responses; a child that dies is
+    reported to the supervisor."""
     from lightspec_core.engine.process import EngineProcess
 
     def on_exit(message: str) -> None:
@@ -131,8 +132,17 @@ def _process_engine(config, control):
         if control is not None:  # lightspec serve's supervisor restarts the server
             control.report_fault("engine", message)
 
-    engine = EngineProcess(config.engine, on_exit=on_exit)
-    pb_utils.Logger.log_info(f"[lightspec] engine and stages in process {engine.pid}")
+    n = config.engine_processes()
+    if n == 1:
+        engine = EngineProcess(config.engine, on_exit=on_exit)
+        pb_utils.Logger.log_info(f"[lightspec] engine and stages in process {engine.pid}")
+        return engine
+    from lightspec_backend.params import available_cpus
+
+    from lightspec_core.engine.shards import EngineShards
+
+    engine = EngineShards(config.engine, n, config.engine.num_threads or available_cpus(), on_exit=on_exit)
+    pb_utils.Logger.log_info(f"[lightspec] {n} engine processes (data_parallel_size): {engine.pids}")
     return engine
 
 

@@ -39,6 +39,7 @@ FRONT_TARGET_PARAM = ("orchestrator_model", "lightspec")  # the batched front's 
 BACKEND_PARAMS = ("role", "metrics", FRONT_TARGET_PARAM[0], *(p for p, _ in STAGE_MODEL_PARAMS.values()))
 BACKEND_PARAMS += ("stage_timeout_s",)  # the orchestrator's deadline for one stage call (lightspec_backend.bls)
 BACKEND_PARAMS += ("response_threads",)  # the orchestrator's threads sending responses (see BackendConfig)
+BACKEND_PARAMS += ("data_parallel_size",)  # engine processes with ``stages: process`` (engine_processes)
 # Where the orchestrator's engine runs its stages: ``triton``, the stage models reached by BLS (each
 # replaceable by another engine, e.g. TensorRT on a GPU); ``local``, in the orchestrator's own
 # process, as the library does: no BLS round trip and no tensor copies through the stub per step,
@@ -69,6 +70,21 @@ class BackendConfig:
     stage_timeout_s: float = 30.0  # a stage call unanswered this long fails its step UNAVAILABLE
     stages: str = STAGES_PROCESS  # ``local``/``process``: every stage with the orchestrator's engine
     response_threads: int = 4  # the orchestrator's sending threads (why several: responses.ResponseThreads)
+    data_parallel_size: int = 0  # engine processes with ``stages: process``; 0: engine_processes decides
+
+    def engine_processes(self) -> int:
+        """How many engine processes serve with ``stages: process`` (lightspec_core.engine.shards):
+        ``data_parallel_size`` if set; else two on a CPU of at least two cores for a speculative
+        configuration, whose steps' compute one engine splits among threads that the front end's
+        processes keep preempting (MTP ``dynamic`` at c=64 1.11-1.18x the tokens here,
+        docs/benchmarks.md), and one otherwise: a decode-only step already runs on one thread, and
+        a second engine there takes the core the front end needs (``none`` 0.91x at c=64)."""
+        if self.stages != STAGES_PROCESS:
+            return 1
+        if self.data_parallel_size:
+            return self.data_parallel_size
+        on_cpu = self.engine.device == "cpu" and available_cpus() >= 2
+        return 2 if on_cpu and self.engine.speculative else 1
 
     def stages_in_use(self) -> list[str]:
         """The stages the orchestrator's engine calls by BLS with this speculation method."""
@@ -208,12 +224,17 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     response_threads = _positive_int(params, "response_threads", BackendConfig.response_threads, 64)
     if stages in STAGES_IN_ORCHESTRATOR and not params.get("decode_threads", "").strip():
         engine = dataclasses.replace(engine, decode_threads=serving_decode_threads(engine.num_threads, available_cpus()))
-    if stages in STAGES_IN_ORCHESTRATOR and not params.get("decode_nice", "").strip():
-        # the lone decoding thread ahead of the frontend's processes (stages.executor.LoneDecodePriority)
+    data_parallel = _data_parallel_size(params, stages)
+    shards = BackendConfig(role, engine, metrics, stage_models, stages=stages,
+                           data_parallel_size=data_parallel).engine_processes()
+    if stages in STAGES_IN_ORCHESTRATOR and shards == 1 and not params.get("decode_nice", "").strip():
+        # the lone decoding thread ahead of the frontend's processes (stages.executor.LoneDecodePriority);
+        # not with several engines, whose threads together would hold every core ahead of them
         engine = dataclasses.replace(engine, decode_nice=SERVING_DECODE_NICE)
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
                          orchestrator_model=front_target, stage_timeout_s=stage_timeout_s,
-                         stages=stages, response_threads=response_threads)  # fmt: skip
+                         stages=stages, response_threads=response_threads,
+                         data_parallel_size=data_parallel)  # fmt: skip
 
 
 SERVING_DECODE_NICE = -10
@@ -240,6 +261,17 @@ def _positive_int(params: dict[str, str], name: str, default: int, most: int) ->
         value = 0
     if not 1 <= value <= most:
         raise _bad(name, raw, f"expected an integer from 1 to {most}")
+    return value
+
+
+def _data_parallel_size(params: dict[str, str], stages: str) -> int:
+    """0 (auto: ``BackendConfig.engine_processes`` decides) or the engine processes asked for."""
+    raw = params.get("data_parallel_size", "").strip()
+    if raw in ("", "auto"):
+        return 0
+    value = _positive_int(params, "data_parallel_size", 1, 64)
+    if value > 1 and stages != STAGES_PROCESS:
+        raise _bad("data_parallel_size", raw, f"several engine processes need stages {STAGES_PROCESS}")
     return value
 
 

@@ -11,7 +11,7 @@ The parent keeps what answers a request without the model: the tokenizer, so tha
 refused at once with the engine's own error (:func:`~lightspec_core.engine.engine.checked_prompt`),
 and the statistics the child last reported. The child steps while it has work, sending
 ``("deltas", deltas, stats)`` after each step (``stats``, a snapshot and the drained observations,
-at most every ``stats_interval_s`` and whenever it goes idle), and reads ``add``/``abort``/``stop``
+at most every ``stats_interval_s`` and whenever it goes idle), and reads ``add``/``abort``/``threads``/``stop``
 between steps. If the child dies, its requests end with an ``error`` delta and so does every later
 one; ``on_exit`` is told once (a server reports it to its supervisor, which restarts it).
 """
@@ -151,6 +151,18 @@ class EngineProcess:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 
+    def num_unfinished(self) -> int:
+        return len(self._unfinished)
+
+    def waits_for_child(self) -> bool:
+        """Whether :meth:`step` would wait for the child (False: it answers from what it knows)."""
+        return self._dead is None and not self._failed and self._step_error is None
+
+    def set_threads(self, n: int) -> None:
+        """The child's engine computes its next calls on ``n`` intra-op threads (see
+        ``LocalExecutor.set_threads``)."""
+        self._send(("threads", n))
+
     def profile_stages(self) -> None:
         """Nothing to do: the child took the stage profile while it loaded."""
 
@@ -272,7 +284,9 @@ def _child_loop(conn, engine, stats_interval_s: float) -> None:
             message = conn.recv()  # blocks while idle
             if message[0] == "stop":
                 return
-            if message[0] == "add":
+            if message[0] == "threads":
+                engine.executor.set_threads(message[1])
+            elif message[0] == "add":
                 try:
                     engine.add_request(*message[1:])
                 except Exception as e:  # noqa: BLE001 - the parent checked the prompt; answer, keep serving

@@ -98,6 +98,11 @@ class LocalExecutor:
         _settle(fut, self._execute, runner, call)  # a failure reaches the engine through the future, like a BLS error
         return fut
 
+    def set_threads(self, n: int) -> None:
+        """torch's intra-op threads from the next call on: ``n`` for every call, or at most
+        ``decode_threads`` for a decode-only one."""
+        self._threads = (min(self._threads[0], n) if self._threads else n, n)
+
     def _execute(self, runner, call):
         if self._threads is not None:
             decode, other = self._threads

@@ -57,6 +57,9 @@ def test_empty_string_means_default():
         ({"decode_nice": "3"}, "decode_nice=3"),
         ({"response_threads": "0"}, "response_threads='0'"),
         ({"response_threads": "two"}, "response_threads='two'"),
+        ({"data_parallel_size": "0"}, "data_parallel_size='0'"),
+        ({"data_parallel_size": "x"}, "data_parallel_size='x'"),
+        ({"data_parallel_size": "2", "stages": "local"}, "data_parallel_size='2'"),
     ],
 )
 def test_bad_parameter_error_names_parameter_and_value(params, fragment):
@@ -64,6 +67,24 @@ def test_bad_parameter_error_names_parameter_and_value(params, fragment):
         parse_backend_config(params)
     assert fragment in str(e.value)
     assert str(e.value).startswith("parameter ")
+
+
+def test_engine_processes_two_for_speculation_on_cpus_one_otherwise_or_as_set(monkeypatch):
+    from lightspec_backend import params
+
+    monkeypatch.setattr(params, "available_cpus", lambda: 2)
+    mtp = parse_backend_config({"speculation": "mtp"})
+    assert mtp.engine_processes() == 2 and mtp.engine.decode_nice == 0  # no engine thread ahead of the front end
+    assert parse_backend_config({"speculation": "ngram"}).engine_processes() == 2
+    none = parse_backend_config({"speculation": "none"})
+    assert none.engine_processes() == 1 and none.engine.decode_nice == -10
+    assert parse_backend_config({"speculation": "mtp", "data_parallel_size": "1"}).engine_processes() == 1
+    assert parse_backend_config({"speculation": "none", "data_parallel_size": "3"}).engine_processes() == 3
+    assert parse_backend_config({"speculation": "mtp", "data_parallel_size": "auto"}).engine_processes() == 2
+    assert parse_backend_config({"speculation": "mtp", "device": "cuda"}).engine_processes() == 1
+    assert parse_backend_config({"speculation": "mtp", "stages": "local"}).engine_processes() == 1
+    monkeypatch.setattr(params, "available_cpus", lambda: 1)
+    assert parse_backend_config({"speculation": "mtp"}).engine_processes() == 1
 
 
 def test_response_threads_default_and_setting():

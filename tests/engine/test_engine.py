@@ -564,6 +564,8 @@ def test_decode_only_calls_run_on_decode_threads_and_the_others_on_the_engine_th
         decode, verify, prefill = _calls()
         got = [ex.submit("target", c).result() for c in (decode, verify, decode, prefill, decode)]
         assert got == [1, 3, 1, 3, 1]
+        ex.set_threads(2)  # what a shard is told when another shard gets work (engine.shards)
+        assert [ex.submit("target", c).result() for c in (decode, verify, prefill)] == [1, 2, 2]
         ex.close()
         unchanged = LocalExecutor({"target": Runner()})
         assert unchanged.submit("target", decode).result() == torch.get_num_threads()
