@@ -8,8 +8,9 @@ supervisor polls the server and its stubs every ``poll_s``; on a fault it restar
 the same ports, which takes one model load (seconds for the embedded model):
 
 - a stage stub died or stalled: the orchestrator's calls to it fail within ~1 s and it answers
-  those requests UNAVAILABLE naming the stage, then reports the fault (:mod:`.control`); the
-  supervisor waits up to ``settle_s`` for that report, so those answers go out, then restarts;
+  those requests UNAVAILABLE naming the stage, reporting the fault (:mod:`.control`); the
+  supervisor waits for that report, then drains the orchestrator so those answers go out, then
+  restarts;
 - the orchestrator's stub died: its clients would wait forever; the restart closes their
   connections at once;
 - the server exited (a crash): restart.
@@ -100,10 +101,7 @@ class Supervisor:
         self.events.append((time.time(), fault.reason))
         self.log(f"{fault.reason}: restarting tritonserver (restart {self.restarts})")
         if fault.stage_answered and self.server.is_alive():
-            deadline = time.monotonic() + self.settle_s
-            while not self.control.faults() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.2)  # the orchestrator's UNAVAILABLE answers are on their way out
+            self._let_answers_out()
         self.server.kill()
         self.server.requested_ports = (self.server.http_port, self.server.grpc_port, self.server.metrics_port)
         for attempt in range(5):
@@ -118,6 +116,23 @@ class Supervisor:
                 time.sleep(1.0)
         self.recovering = False
         self.log(f"tritonserver is serving again (pid {self.server.pid})")
+
+    def _let_answers_out(self) -> None:
+        """Before a restart for a stage fault: wait (at most ``settle_s`` each) for the orchestrator's
+        fault report, then for it to have handed every in-flight request its final answer. The
+        report comes as the stage call fails, before the orchestrator answers that step's requests,
+        so a fixed pause after it lost the race on busy cores: the restart closed the clients'
+        streams first ("Socket closed" instead of UNAVAILABLE naming the stage). A drain gives the
+        moment: the orchestrator marks it once nothing is in flight, and turns new requests away
+        meanwhile; what is still running at its deadline is cancelled."""
+        deadline = time.monotonic() + self.settle_s
+        while not self.control.faults() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.control.request_drain(self.settle_s)
+        deadline = time.monotonic() + self.settle_s + 1.0  # the cancellations' answers too
+        while not self.control.is_drained() and self.server.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # handed to the server: on their way to the clients
 
     def shutdown(self, grace_s: float = 30.0) -> int | None:
         """Drain, unload the orchestrator, stop the server; returns its exit code."""
