@@ -120,11 +120,11 @@ class Supervisor:
     def _let_answers_out(self) -> None:
         """Before a restart for a stage fault: wait (at most ``settle_s`` each) for the orchestrator's
         fault report, then for it to have handed every in-flight request its final answer. The
-        report comes as the stage call fails, before the orchestrator answers that step's requests,
-        so a fixed pause after it lost the race on busy cores: the restart closed the clients'
-        streams first ("Socket closed" instead of UNAVAILABLE naming the stage). A drain gives the
-        moment: the orchestrator marks it once nothing is in flight, and turns new requests away
-        meanwhile; what is still running at its deadline is cancelled."""
+        report comes as the stage call fails, before the orchestrator answers that step's requests:
+        a restart then, or after a fixed pause on busy cores, closes the clients' streams first
+        ("Socket closed" instead of UNAVAILABLE naming the stage). A drain gives the moment: the
+        orchestrator marks it once nothing is in flight, and turns new requests away meanwhile;
+        what is still running at its deadline is cancelled."""
         deadline = time.monotonic() + self.settle_s
         while not self.control.faults() and time.monotonic() < deadline:
             time.sleep(0.05)
