@@ -139,10 +139,8 @@ def regions(prefix: str) -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"{prefix}*")}
 
 
-@pytest.fixture(scope="module")
-def supervised(tmp_path_factory, smoke_model):
-    root = tmp_path_factory.mktemp("faults")
-    repo = write_model_repository(root / "repo", {"model_dir": str(smoke_model / "target"), **OVERRIDES})
+def supervise(root: Path, smoke_model: Path, overrides: dict[str, str]):
+    repo = write_model_repository(root / "repo", {"model_dir": str(smoke_model / "target"), **overrides})
     server = TritonServer(repo, cache_dir=root / "cache", model_control_mode="explicit", load_models=["*"])
     sup = Supervisor(server, root / "control")
     sup.start(timeout_s=600)
@@ -154,6 +152,19 @@ def supervised(tmp_path_factory, smoke_model):
     watcher.join(30)
     server.stop(timeout_s=60)
     assert not regions(server.shm_prefix)
+
+
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory, smoke_model):
+    yield from supervise(tmp_path_factory.mktemp("faults"), smoke_model, OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def supervised_engines(tmp_path_factory, smoke_model):
+    """The default deployment: the engine in child processes of the orchestrator (two of them for
+    speculation on two or more CPUs)."""
+    overrides = {**OVERRIDES, "stages": "process", "data_parallel_size": "2"}
+    yield from supervise(tmp_path_factory.mktemp("faults_process"), smoke_model, overrides)
 
 
 def stub_pid(sup: Supervisor, name: str) -> int:
@@ -230,6 +241,39 @@ def test_orchestrator_killed_no_client_hangs_and_recovers(supervised):
     assert max(streams.times.values()) - t_kill < 10
     print(f"\norchestrator killed: last answer after {max(streams.times.values()) - t_kill:.1f} s")
     check_recovered(sup, before, old, t_kill, "orchestrator killed")
+
+
+def engine_pids(sup: Supervisor) -> list[int]:
+    """The engine processes the orchestrator's stub started (``stages: process``)."""
+    parent, pids = stub_pid(sup, "lightspec_0_0"), []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and b"lightspec_core.engine.process" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+    return pids
+
+
+def test_engine_process_killed_answers_its_requests_and_recovers(supervised_engines):
+    """One of two engine processes killed: its requests end UNAVAILABLE naming it; the other's are
+    drained before the restart (they finish or end cancelled within the drain's 3 s), so no stream
+    ends with a closed connection."""
+    sup, before, old = supervised_engines, supervised_engines.restarts, regions(supervised_engines.server.shm_prefix)
+    streams = Streams(sup.server.grpc_url)
+    streams.wait_started()
+    pids = engine_pids(sup)
+    assert len(pids) == 2, pids
+    t_kill = time.monotonic()
+    os.kill(pids[0], signal.SIGKILL)
+    streams.join(30)
+    assert wait_until(lambda: sup.restarts > before, 5)
+    assert sup.events[-1][1].startswith("stage model 'engine' stopped answering")
+    check_recovered(sup, before, old, t_kill, "engine process killed")
+    assert len(streams.results) == STREAMS, streams.results  # nobody hangs
+    errors = [r[1] for r in streams.results.values() if r[0] != "ok"]
+    assert all("the engine process is unavailable" in e or "the server shut down" in e for e in errors), errors
+    assert any("the engine process is unavailable" in e for e in errors), errors  # its requests were there
+    assert max(streams.times.values()) - t_kill < 10
 
 
 def test_closed_grpc_stream_stops_its_request(supervised):
