@@ -124,15 +124,23 @@ class Supervisor:
         a restart then, or after a fixed pause on busy cores, closes the clients' streams first
         ("Socket closed" instead of UNAVAILABLE naming the stage). A drain gives the moment: the
         orchestrator marks it once nothing is in flight, and turns new requests away meanwhile;
-        what is still running at its deadline is cancelled."""
+        what is still running at its deadline is cancelled. The log says how it went."""
         deadline = time.monotonic() + self.settle_s
         while not self.control.faults() and time.monotonic() < deadline:
             time.sleep(0.05)
         self.control.request_drain(self.settle_s)
-        deadline = time.monotonic() + self.settle_s + 1.0  # the cancellations' answers too
+        t0 = time.monotonic()
+        deadline = t0 + self.settle_s + 1.0  # the cancellations' answers too
         while not self.control.is_drained() and self.server.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.1)  # handed to the server: on their way to the clients
+        waited = time.monotonic() - t0
+        if self.control.is_drained():
+            self.log(f"every in-flight request answered after {waited:.1f} s")
+        elif self.server.is_alive():
+            self.log(f"requests still in flight after {waited:.1f} s: the restart closes their streams")
+        # Handed to the server is not yet at the client: Triton's gRPC and HTTP frontends write
+        # responses from their own threads, which a loaded machine runs late.
+        time.sleep(0.5)
 
     def shutdown(self, grace_s: float = 30.0) -> int | None:
         """Drain, unload the orchestrator, stop the server; returns its exit code."""

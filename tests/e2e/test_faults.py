@@ -271,6 +271,7 @@ def test_engine_process_killed_answers_its_requests_and_recovers(supervised_engi
     check_recovered(sup, before, old, t_kill, "engine process killed")
     assert len(streams.results) == STREAMS, streams.results  # nobody hangs
     errors = [r[1] for r in streams.results.values() if r[0] != "ok"]
+    print(f"engine process killed: {len(errors)} errors, {sorted(set(errors))}")
     assert all("the engine process is unavailable" in e or "the server shut down" in e for e in errors), errors
     assert any("the engine process is unavailable" in e for e in errors), errors  # its requests were there
     assert max(streams.times.values()) - t_kill < 10
