@@ -128,13 +128,10 @@ class Supervisor:
         deadline = time.monotonic() + self.settle_s
         while not self.control.faults() and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.control.request_drain(self.settle_s)
         t0 = time.monotonic()
-        deadline = t0 + self.settle_s + 1.0  # the cancellations' answers too
-        while not self.control.is_drained() and self.server.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        drained = self._drain(self.settle_s, 1.0)
         waited = time.monotonic() - t0
-        if self.control.is_drained():
+        if drained:
             self.log(f"every in-flight request answered after {waited:.1f} s")
         elif self.server.is_alive():
             self.log(f"requests still in flight after {waited:.1f} s: the restart closes their streams")
@@ -142,13 +139,19 @@ class Supervisor:
         # responses from their own threads, which a loaded machine runs late.
         time.sleep(0.5)
 
+    def _drain(self, grace_s: float, extra_s: float) -> bool:
+        """Ask the orchestrator to drain within ``grace_s`` (it cancels what is left then) and wait
+        up to ``extra_s`` longer for its mark; whether it came."""
+        self.control.request_drain(grace_s)
+        deadline = time.monotonic() + grace_s + extra_s
+        while not self.control.is_drained() and self.server.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.control.is_drained()
+
     def shutdown(self, grace_s: float = 30.0) -> int | None:
         """Drain, unload the orchestrator, stop the server; returns its exit code."""
         if self.server.is_alive():
-            self.control.request_drain(grace_s)
-            deadline = time.monotonic() + grace_s + 5.0  # the orchestrator cancels at grace_s
-            while not self.control.is_drained() and self.server.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._drain(grace_s, 5.0)
             self._unload(self.orchestrator)
         return self.server.stop()
 
