@@ -143,12 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _kv_blocks(args, out: dict[str, str], prompts: list[Prompt], tokenizer, loads: list[Load]) -> str:
     """Room for every concurrent request (prompt + tokens + lookahead), so the sweep measures
-    speculation rather than preemption; --set num_kv_blocks=N overrides."""
+    speculation rather than preemption, and besides them for each distinct prompt with its answer,
+    so that the prefix cache keeps the workload's recurring prompts as vLLM's pool does (a tenth of
+    host memory, several times this). With room for the requests only, a prompt that recurs after
+    more requests than the free blocks hold finds its blocks handed out again (least recently freed
+    first): one engine with 8 requests and 1024 blocks found a tenth of the 64 default prompts'
+    tokens cached, and three quarters with 4096. --set num_kv_blocks=N overrides."""
     block = int(out.get("block_size", 16))
-    longest = max(len(tokenizer.encode(p.text).ids) if tokenizer else len(p.text) for p in prompts)
-    per_seq = math.ceil((longest + args.max_tokens + args.max_draft_tokens + 1) / block)
+    lengths = [len(tokenizer.encode(p.text).ids) if tokenizer else len(p.text) for p in prompts]
+    extra = args.max_tokens + args.max_draft_tokens + 1
+    per_seq = math.ceil((max(lengths) + extra) / block)
     peak = max([ld.concurrency or 0 for ld in loads] + [64 if any(ld.rate for ld in loads) else 0])
-    return str(max(1024, math.ceil(1.1 * peak * per_seq)))
+    distinct = dict(zip((p.text for p in prompts), lengths))
+    cached = sum(math.ceil((n + extra) / block) for n in distinct.values())
+    return str(max(1024, math.ceil(1.1 * peak * per_seq) + cached))
 
 
 def _overrides(args, prompts: list[Prompt], tokenizer, loads: list[Load]) -> dict[str, str]:

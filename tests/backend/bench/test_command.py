@@ -57,6 +57,22 @@ def test_write_repository_writes_the_sweeps_models_and_prints_how_to_serve_them(
         bench.main([*argv, "--set", "num_threads"])
 
 
+def test_the_kv_pool_also_keeps_every_distinct_prompt_with_its_answer(tmp_path):
+    """With room for the concurrent requests only, a prompt that recurs after more requests than run
+    at once finds its blocks handed out again: the prefix cache misses what vLLM's larger pool keeps."""
+
+    def pool(prompts: list[str], name: str) -> int:
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        argv = ["--write-repository", str(tmp_path / name), "--configs", "none", "--concurrency", "1",
+                "--prompts", str(tmp_path / f"{name}.jsonl"), "--max-tokens", "128"]  # fmt: skip
+        assert bench.main(argv) == 0
+        return int(read_config_parameters(tmp_path / name / "lightspec_none" / "config.pbtxt")["num_kv_blocks"])
+
+    # 200 prompts of at least one token each, 128 tokens and 5 of lookahead: 9 blocks of 16 apiece
+    assert pool([f"def f{i}(x):" for i in range(200)], "distinct") >= 200 * 9
+    assert pool(["def f(x):"] * 200, "same") == 1024  # one prompt, kept once: the floor
+
+
 def test_stream_interval_sets_the_models_parameter_and_vllms_flag_of_that_name(tmp_path, monkeypatch, capsys):
     repo = tmp_path / "repo"
     argv = ["--write-repository", str(repo), "--configs", "none", "--num-prompts", "2", "--stream-interval", "4"]
