@@ -9,11 +9,8 @@ preempts one of the engine's threads holds the others at the end of their loop. 
 thread each wait for nothing but their own work; the requests are split between them instead.
 docs/benchmarks.md has the measurements.
 
-A request goes to the shard whose prefix cache most likely holds the longest start of its prompt,
-unless that shard is busier than the least busy one by more than a slack; else to the least busy
-(:class:`PrefixRouter`). Each shard caches only what it computed itself: routed by load alone, a
-prompt that recurs (a shared system prompt, a chat's next turn, a benchmark's prompt set) found
-its blocks on the other shard about half the time. Threads follow the load: a shard alone at work
+Requests go to the shard with the fewest in flight (the first on a tie, so that a lone request
+always finds the same shard and its prefix cache). Threads follow the load: a shard alone at work
 gets every thread the engine was configured with, and the busy shards share them otherwise (the
 ``threads`` message of the engine process). Statistics are the shards' summed (ratios averaged).
 """
@@ -21,12 +18,10 @@ gets every thread the engine was configured with, and the busy shards share them
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from ..config import EngineConfig, SamplingParams
-from .engine import checked_prompt
 from .outputs import RequestDelta
 from .process import EngineProcess
 
@@ -55,55 +50,6 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
             1.0 + merged["spec_decode_num_accepted_tokens_total"] / steps if steps else 1.0
         )
     return merged
-
-
-class PrefixRouter:
-    """Chooses a request's shard from its prompt's token ids and the shards' requests in flight.
-
-    What a shard's cache holds is estimated from the prompts sent to it: the keys of their full
-    blocks, each covering a block and every token before it as the engine's own cache keys do, at
-    most ``capacity`` a shard (its pool's blocks), the least recently routed dropped first. A
-    request goes to the shard holding the most of its leading blocks (the least busy of those on a
-    tie) when that shard has no more requests in flight than the least busy one plus a slack (2, or
-    a quarter of the mean where that is more), which bounds how far a popular prefix can unbalance
-    the shards; otherwise, and when no shard holds its first block, to the least busy (the first on
-    a tie). A wrong guess costs only the prefill a right one would have saved: every shard computes
-    every prompt exactly.
-    """
-
-    def __init__(self, n: int, block_size: int, capacity: int, max_blocks: int = 64):
-        self.block_size, self.capacity, self.max_blocks = block_size, capacity, max_blocks
-        self._held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
-
-    def keys(self, ids: list[int]) -> list[int]:
-        """The chained keys of the blocks the engine could match (all but the last token), at most
-        ``max_blocks``."""
-        bs, key, out = self.block_size, 0, []
-        for start in range(0, min(len(ids) - 1, self.max_blocks * bs) - bs + 1, bs):
-            key = hash((key, tuple(ids[start : start + bs])))
-            out.append(key)
-        return out
-
-    def choose(self, ids: list[int], loads: list[int]) -> int:
-        least = min(range(len(loads)), key=loads.__getitem__)
-        if not self.capacity:  # no prefix cache: nothing to aim at
-            return least
-        keys = self.keys(ids)
-        best, depth = least, 0
-        for i, held in enumerate(self._held):
-            d = next((j for j, k in enumerate(keys) if k not in held), len(keys))
-            if d > depth or (d == depth and d and loads[i] < loads[best]):
-                best, depth = i, d
-        slack = max(2, sum(loads) // (4 * len(loads)))
-        if depth == 0 or loads[best] - loads[least] > slack:
-            best = least
-        held = self._held[best]
-        for k in keys:
-            held[k] = None
-            held.move_to_end(k)
-        while len(held) > self.capacity:
-            held.popitem(last=False)
-        return best
 
 
 class ShardStats:
@@ -157,20 +103,12 @@ class EngineShards:
         self.stats = ShardStats(self.shards)
         self._shard_of: dict[str, EngineProcess] = {}
         self._threads = [self._total_threads] * n  # what each shard was last told
-        remembered = self.config.num_kv_blocks if self.config.enable_prefix_caching else 0
-        self._router = PrefixRouter(n, self.config.block_size, remembered)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         if request_id in self._shard_of:
             raise ValueError(f"request_id={request_id!r}: already in use")
-        params = params or SamplingParams()
-        try:  # the router needs the token ids; the shard is then given them, not the text again
-            ids = checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params)
-        except ValueError:
-            self.stats.count_rejected()
-            raise
-        shard = self.shards[self._router.choose(ids, [s.num_unfinished() for s in self.shards])]
-        shard.add_request(request_id, ids, params)
+        shard = min(self.shards, key=lambda s: s.num_unfinished())
+        shard.add_request(request_id, prompt, params)  # a refused prompt raises here, naming the field
         self._shard_of[request_id] = shard
         self._share_threads()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from lightspec_core.engine.shards import EngineShards, PrefixRouter, merge_snapshots
+from lightspec_core.engine.shards import EngineShards, merge_snapshots
 from tests.engine.test_process import PROMPTS, drive
 
 
@@ -66,32 +66,6 @@ def test_a_bad_prompt_is_refused_naming_the_field_and_counted_once(shards):
     assert not engine.has_unfinished()
     with pytest.raises(ValueError, match="data_parallel_size=0"):
         EngineShards(EngineConfig(), 0, threads=1)
-
-
-def test_a_recurring_prompt_goes_back_to_the_shard_that_cached_it(shards):
-    engine, _ = shards
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    a, b = "import os\n" * 12, "class Stack:\n" * 12  # several blocks of 16 tokens each
-    drive(engine, {"a": (a, params), "b": (b, params)})  # both idle: a to the first, b to the other
-    hits = engine.stats.snapshot()["prefix_cache_hits_total"]
-    drive(engine, {"b again": (b, params)})  # by load alone: the first shard, which never computed b
-    assert engine.stats.snapshot()["prefix_cache_hits_total"] > hits
-
-
-def test_the_router_follows_cached_prefixes_within_the_slack_and_forgets_the_oldest():
-    router = PrefixRouter(2, block_size=4, capacity=8)
-    a, b = list(range(1, 10)), list(range(20, 29))  # 9 tokens: two blocks the engine could match
-    assert router.keys(a[:4]) == [] and len(router.keys(a)) == 2  # the last token is never matched
-    assert router.choose(a, [0, 0]) == 0  # nothing cached: the least busy, the first on a tie
-    assert router.choose(b, [1, 0]) == 1
-    assert router.choose(b, [0, 2]) == 1  # where its blocks are, busier by no more than the slack (2)
-    assert router.choose(a[:4] + [99] * 5, [1, 0]) == 0  # a shared first block draws it too
-    assert router.choose(b, [0, 3]) == 0  # beyond the slack: the least busy, which now holds b too
-    assert router.choose(b, [2, 1]) == 1  # both hold it: the less busy of them
-    for p in ([60] * 9, [70] * 9, [80] * 9, [90] * 9):  # 8 new keys push b out of shard 1's 8
-        assert router.choose(p, [1, 0]) == 1
-    assert router.choose(b, [1, 0]) == 0  # only shard 0 is still thought to hold b
-    assert PrefixRouter(2, 4, capacity=0).choose(a, [1, 0]) == 1  # no prefix cache: by load only
 
 
 def test_merged_statistics_sum_counts_average_ratios_and_recompute_the_acceptance_length():
