@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from lightspec_core.engine.block_manager import blocks_for
+
 from .configs import DEFAULT_CONFIGS, RunConfig, parse_configs, stages_for, write_bench_repository
 from .peer import PEER_CONFIGS, default_venv
 from .report import format_comparison, format_table, plot, save_results
@@ -152,10 +154,10 @@ def _kv_blocks(args, out: dict[str, str], prompts: list[Prompt], tokenizer, load
     block = int(out.get("block_size", 16))
     lengths = [len(tokenizer.encode(p.text).ids) if tokenizer else len(p.text) for p in prompts]
     extra = args.max_tokens + args.max_draft_tokens + 1
-    per_seq = math.ceil((max(lengths) + extra) / block)
+    per_seq = blocks_for(max(lengths) + extra, block)
     peak = max([ld.concurrency or 0 for ld in loads] + [64 if any(ld.rate for ld in loads) else 0])
     distinct = dict(zip((p.text for p in prompts), lengths))
-    cached = sum(math.ceil((n + extra) / block) for n in distinct.values())
+    cached = sum(blocks_for(n + extra, block) for n in distinct.values())
     return str(max(1024, math.ceil(1.1 * peak * per_seq) + cached))
 
 
