@@ -138,23 +138,29 @@ static inline __attribute__((always_inline)) void attend_task(
  * queries are zero and never written out), and every query runs over every key of the task's
  * blocks, with a weight of exactly zero for keys past its position (the pool holds finite values,
  * so those terms add nothing), so a decode row and the same row inside a verification agree to the
- * bit. 64 requests x 5 rows x 256 keys: a layer 2.5-3x as fast as attend_task on one thread. */
-typedef float v16 __attribute__((vector_size(64)));
+ * bit. 64 requests x 5 rows x 256 keys, one thread on AVX2: a layer 2.3x as fast as attend_task. */
+/* Vectors of the CPU's own width: GCC lowers a wider vector type (16 floats on AVX2) piecewise and
+ * keeps the halves on the stack, 3-4x slower than attend_task there. A lane is one key (scores) or
+ * one dimension (outputs), so per lane the arithmetic is the same at any width. */
 #if defined(__AVX512F__)
-#define QB 8 /* queries a pass: QB x (bs/16) accumulators of 16 floats, in 32 registers */
+#define VW 16 /* floats a vector */
+#define NREG 32 /* vector registers */
 #else
-#define QB 4 /* 16 vector registers (AVX2: a v16 is two) */
+#define VW 8
+#define NREG 16
 #endif
+#define QB 8 /* queries a pass of the key loop: QB accumulators, and a register each for a load and a query */
+typedef float vf __attribute__((vector_size(VW * 4)));
 
-static inline v16 load16(const float *p) {
-    v16 v;
+static inline vf loadv(const float *p) {
+    vf v;
     __builtin_memcpy(&v, p, sizeof v);
     return v;
 }
-static inline void store16(float *p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline v16 max16(v16 a, v16 b) {
-    v16 r;
-    for (int e = 0; e < 16; e++) r[e] = a[e] > b[e] ? a[e] : b[e];
+static inline void storev(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vf maxv(vf a, vf b) {
+    vf r;
+    for (int e = 0; e < VW; e++) r[e] = a[e] > b[e] ? a[e] : b[e];
     return r;
 }
 
@@ -170,7 +176,7 @@ static inline __attribute__((always_inline)) void attend_blocked(
     const int64_t ctx = positions[start + qlen - 1] + 1;
     const int64_t nb = (ctx + bs - 1) / bs;
     const int64_t span = nb * bs;
-    const int kv = bs / 16, ov = hd / 16; /* vectors in a key block's scores / in a value row */
+    const int kv = bs / VW, ov = hd / VW; /* vectors in a key block's scores / in a value row */
 
     for (int64_t f = 0; f < np; f++) {
         float *dst = qbuf + f * hd;
@@ -195,14 +201,14 @@ static inline __attribute__((always_inline)) void attend_blocked(
             }
             const float *restrict qi = qbuf + f0 * hd;
             for (int c = 0; c < kv; c++) {
-                v16 s[QB];
+                vf s[QB];
 #pragma GCC unroll 8
-                for (int k = 0; k < QB; k++) s[k] = (v16){0};
+                for (int k = 0; k < QB; k++) s[k] = (vf){0};
                 for (int d = 0; d < hd; d++)
 #pragma GCC unroll 8
-                    for (int k = 0; k < QB; k++) s[k] += qi[k * hd + d] * load16(kt[k] + (int64_t)d * bs + c * 16);
+                    for (int k = 0; k < QB; k++) s[k] += qi[k * hd + d] * loadv(kt[k] + (int64_t)d * bs + c * VW);
 #pragma GCC unroll 8
-                for (int k = 0; k < QB; k++) store16(scores + (f0 + k) * span + b * bs + c * 16, s[k]);
+                for (int k = 0; k < QB; k++) storev(scores + (f0 + k) * span + b * bs + c * VW, s[k]);
             }
         }
     }
@@ -211,16 +217,13 @@ static inline __attribute__((always_inline)) void attend_blocked(
         float *restrict s = scores + f * span;
         const int64_t n = f < nf ? positions[start + (f % nq) / group] + 1 : 0; /* a pad query: none */
         float m = n ? s[0] : 0.f;
-        if (n >= 64) { /* the maximum in four chains (any order gives the same maximum) */
-            v16 m4[4] = {load16(s), load16(s + 16), load16(s + 32), load16(s + 48)};
-            int64_t j = 64;
-            for (; j + 64 <= n; j += 64)
-                for (int k = 0; k < 4; k++) {
-                    const v16 x = load16(s + j + 16 * k);
-                    m4[k] = max16(m4[k], x);
-                }
+        if (n >= 4 * VW) { /* the maximum in four chains (any order gives the same maximum) */
+            vf m4[4] = {loadv(s), loadv(s + VW), loadv(s + 2 * VW), loadv(s + 3 * VW)};
+            int64_t j = 4 * VW;
+            for (; j + 4 * VW <= n; j += 4 * VW)
+                for (int k = 0; k < 4; k++) m4[k] = maxv(m4[k], loadv(s + j + VW * k));
             for (int k = 0; k < 4; k++)
-                for (int e = 0; e < 16; e++) m = m4[k][e] > m ? m4[k][e] : m;
+                for (int e = 0; e < VW; e++) m = m4[k][e] > m ? m4[k][e] : m;
             for (; j < n; j++) m = s[j] > m ? s[j] : m;
         } else
             for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
@@ -233,7 +236,8 @@ static inline __attribute__((always_inline)) void attend_blocked(
         qbuf[f * hd] = sum;
     }
     for (int64_t i = 0; i < np * hd; i++) acc[i] = 0.f;
-    const int pb = ov <= 2 ? QB : (ov <= 4 ? QB / 2 : QB / 4); /* queries a pass: 2*QB accumulators */
+    /* queries a pass of the value loop: two vectors of each one's output, in half the registers */
+    const int pb = (ov >= 2 ? NREG / 4 : NREG / 2) < QB ? (ov >= 2 ? NREG / 4 : NREG / 2) : QB;
     for (int64_t b = 0; b < nb; b++) {
         if (nb > ahead && b + 1 < nb) /* a long context's first values may have left L2 again */
             for (int h = 0; h < kv_heads; h++) prefetch(value_pool + tiles[h * tiles_per_head + b + 1] * tile, tile * 4);
@@ -246,22 +250,22 @@ static inline __attribute__((always_inline)) void attend_blocked(
             const float *restrict p = scores + f0 * span + b * bs;
             for (int c = 0; c < ov; c += 2) { /* two vectors of each query's output at a time */
                 const int w = ov - c < 2 ? ov - c : 2;
-                float *restrict a = acc + f0 * hd + c * 16;
-                v16 o[QB][2];
+                float *restrict a = acc + f0 * hd + c * VW;
+                vf o[QB][2];
 #pragma GCC unroll 8
                 for (int k = 0; k < pb; k++)
-                    for (int e = 0; e < w; e++) o[k][e] = load16(a + k * hd + e * 16);
+                    for (int e = 0; e < w; e++) o[k][e] = loadv(a + k * hd + e * VW);
                 for (int j = 0; j < bs; j++)
 #pragma GCC unroll 8
                     for (int k = 0; k < pb; k++) {
                         const float pk = p[k * span + j];
-                        const float *v = vt[k] + (int64_t)j * hd + c * 16;
-                        o[k][0] += pk * load16(v);
-                        if (w > 1) o[k][1] += pk * load16(v + 16);
+                        const float *v = vt[k] + (int64_t)j * hd + c * VW;
+                        o[k][0] += pk * loadv(v);
+                        if (w > 1) o[k][1] += pk * loadv(v + VW);
                     }
 #pragma GCC unroll 8
                 for (int k = 0; k < pb; k++)
-                    for (int e = 0; e < w; e++) store16(a + k * hd + e * 16, o[k][e]);
+                    for (int e = 0; e < w; e++) storev(a + k * hd + e * VW, o[k][e]);
             }
         }
     }
