@@ -68,9 +68,12 @@ def build(
     obj = tmp + ".o"
     try:
         for cmd in ([*cc, *flags, "-c", str(source), "-o", obj], [*cc, *LINK, obj, "-o", tmp, "-lm"]):
-            done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+            # bytes, not text: GCC quotes names in UTF-8 where the locale allows, and Triton's Python
+            # stub may decode with ASCII, so a mere warning would raise UnicodeDecodeError there
+            done = subprocess.run(cmd, check=False, capture_output=True)
             if done.returncode:
-                raise RuntimeError(f"{shlex.join(cc)} failed: {done.stderr.strip()[-2000:]}")
+                message = done.stderr.decode("utf-8", "replace").strip()[-2000:]
+                raise RuntimeError(f"{shlex.join(cc)} failed: {message}")
         os.replace(tmp, lib)
     finally:
         for path in (tmp, obj):
