@@ -266,7 +266,7 @@ def test_engine_process_killed_answers_its_requests_and_recovers(supervised_engi
     t_kill = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
     streams.join(30)
-    assert wait_until(lambda: sup.restarts > before, 5)
+    assert wait_until(lambda: sup.restarts > before, 5), (streams.results, sup.control.faults(), sup.server.log_tail())
     assert sup.events[-1][1].startswith("stage model 'engine' stopped answering")
     check_recovered(sup, before, old, t_kill, "engine process killed")
     assert len(streams.results) == STREAMS, streams.results  # nobody hangs
