@@ -13,7 +13,8 @@ and the statistics the child last reported. The child steps while it has work, s
 ``("deltas", deltas, stats)`` after each step (``stats``, a snapshot and the drained observations,
 at most every ``stats_interval_s`` and whenever it goes idle), and reads ``add``/``abort``/``threads``/``stop``
 between steps. If the child dies, its requests end with an ``error`` delta and so does every later
-one; ``on_exit`` is told once (a server reports it to its supervisor, which restarts it).
+one; ``on_exit`` is told once (a server reports it to its supervisor, which restarts it), as
+soon as the child exits, whether it held requests or not: a thread waits for it.
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ class EngineProcess:
         self.stats = RemoteStats(ready["snapshot"])
         self.pid = self._proc.pid
         self._on_exit = on_exit
+        self._closing = False
+        self._exit_told = threading.Lock()  # taken once, by whoever finds the exit first
+        # An idle child is not read from: without this thread its exit would be found only when a
+        # request is given to it, which would then fail instead of waiting for the restart.
+        threading.Thread(target=self._watch, name="engine-process-watch", daemon=True).start()
 
     def _wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -186,6 +192,7 @@ class EngineProcess:
         return deltas
 
     def close(self, timeout_s: float = 10.0) -> None:
+        self._closing = True
         self._send(("stop",))
         try:
             self._proc.wait(timeout_s)
@@ -236,11 +243,23 @@ class EngineProcess:
         :meth:`step`); ``on_exit`` is told once."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(1.0)
-        # "unavailable:" as in a stage's StageUnavailable: a server answers UNAVAILABLE (retry later)
-        self._dead = f"the engine process is unavailable: it exited (code {self._proc.returncode})"
-        if self._on_exit is not None:
+        self._dead = _exit_message(self._proc.returncode)
+        self._tell_exit(self._dead)
+
+    def _watch(self) -> None:
+        code = self._proc.wait()
+        if not self._closing:
+            self._tell_exit(_exit_message(code))
+
+    def _tell_exit(self, message: str) -> None:
+        if self._on_exit is not None and self._exit_told.acquire(blocking=False):
             with contextlib.suppress(Exception):
-                self._on_exit(self._dead)
+                self._on_exit(message)
+
+
+def _exit_message(code: int | None) -> str:
+    # "unavailable:" as in a stage's StageUnavailable: a server answers UNAVAILABLE (retry later)
+    return f"the engine process is unavailable: it exited (code {code})"
 
 
 def _error_delta(request_id: str, message: str) -> RequestDelta:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -103,3 +104,23 @@ def test_a_child_that_cannot_load_raises_its_error_and_reports_no_fault(tmp_path
     with pytest.raises(RuntimeError, match=r"the engine process failed to load: \w+Error: .*missing"):
         EngineProcess(EngineConfig(model_dir=str(tmp_path / "missing")), on_exit=exits.append)
     assert exits == []  # a load's error, not a fault for the supervisor to restart on
+
+
+def test_a_child_that_dies_idle_is_reported_without_a_request(smoke_model):
+    """An idle child is not read from; its exit is still reported at once, so a server restarts
+    before a request is given to it. A child stopped by close() is no fault."""
+    exits: list[str] = []
+    config = EngineConfig(model_dir=str(smoke_model / "target"), speculation="none")
+    engine = EngineProcess(config, on_exit=exits.append)
+    try:
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert exits == ["the engine process is unavailable: it exited (code -9)"]
+    finally:
+        engine.close()
+    closed: list[str] = []
+    EngineProcess(config, on_exit=closed.append).close()
+    time.sleep(0.5)  # time for a wrong report from the watching thread
+    assert closed == [] and len(exits) == 1
