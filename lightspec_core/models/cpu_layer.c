@@ -23,8 +23,9 @@ typedef void (*linear_fn)(const float *x, int64_t m, int64_t k, const float *pac
                           const float *bias, float *y, int threads);
 
 /* Vectors of the CPU's own width: GCC lowers a wider vector type (16 floats on AVX2) piecewise,
- * through the stack, which made SiLU 3.5x slower there. Per lane the arithmetic is the same at any width; the sum of squares keeps
- * 16 lane sums (LANES / VW vectors of them) so a row's norm is the same on every CPU. */
+ * through the stack, which made SiLU 3.5x slower there. Per lane the arithmetic is the same at any
+ * width; the sum of squares keeps 16 lane sums (LANES / VW vectors of them), so a row's norm is the
+ * same on every CPU. */
 #if defined(__AVX512F__)
 #define VW 16 /* floats a vector */
 #else
