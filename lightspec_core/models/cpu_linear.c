@@ -27,12 +27,18 @@
 #define VL 4
 #endif
 /* The micro-kernel's shape: MR * NV accumulators, NV panel vectors and a broadcast fit the
- * registers (AVX-512: 24 + 4 + 1 of 32; AVX2: 8 + 4 + 1 of 16; NEON: 16 + 8 + 1 of 32). On AVX-512
+ * registers (AVX-512: 24 + 4 + 1 of 32; AVX2: 12 + 2 + 1 of 16; NEON: 16 + 8 + 1 of 32). On AVX-512
  * four vectors across (NR = 64) ran 1.13-1.21x as fast as two (6 x 32) at 64-320 rows of the
  * default model's layer shapes on two threads, 1.09-1.14x at 16 (the LM head's 0.88-1.01x): each
- * broadcast row value feeds four FMAs instead of two, so the loop issues fewer loads per FMA. */
+ * broadcast row value feeds four FMAs instead of two, so the loop issues fewer loads per FMA. On
+ * AVX2 six rows by two vectors (6 x 16) ran the same shapes at 82-98 GFLOP/s on one thread of an
+ * AMD EPYC where two rows by four (2 x 32: 8 accumulators) ran 49-74: twelve accumulators hide the
+ * FMA latency that eight leave exposed, and a step of k issues 8 loads for 12 FMAs, not 6 for 8. */
 #if VL == 16
 #define NR 64
+#define MR 6
+#elif VL == 8
+#define NR 16
 #define MR 6
 #else
 #define NR 32
