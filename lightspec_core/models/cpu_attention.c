@@ -171,7 +171,7 @@ static inline vf maxv(vf a, vf b) {
  * QB queries across KV heads below load a key or value vector per query (each query has its own
  * tile pointer), two loads a multiply-add; they stay for a decode row's few queries a head, too few
  * to keep the FMA units busy alone. Per query the sums are the same, in the same order, so the two
- * kinds of pass give the same bits: 64 requests x 5 rows x 220 keys, one thread on AVX2, a layer's
+ * kinds of pass give the same bits: 32 requests x 5 rows x 220 keys, one thread on AVX2, a layer's
  * attention 1.25-1.38x as fast with the pool in cache, 1.1-1.25x from memory. */
 #define CW 2 /* vectors across a pass; a key block or a value row is 1, 2, 4 or more of them */
 #define QH ((NREG - 1 - CW) / CW < QB ? (NREG - 1 - CW) / CW : QB) /* queries a pass: 6 on AVX2, 8 on AVX-512 */
