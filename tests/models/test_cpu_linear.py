@@ -190,3 +190,19 @@ def test_a_narrow_layer_cuts_its_rows_among_threads_and_keeps_every_rows_bits(m,
     for threads in (2, 3, 8):
         got = _products(lib, x, w, b, threads)
         assert np.array_equal(got.view(np.int32), alone.view(np.int32)), threads
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("n", [40, 200, 1408])  # too few panels to group, groups and a part panel, whole groups
+def test_few_rows_take_panels_side_by_side_and_keep_the_bits_they_have_among_six(m, n):
+    """One to three rows run g panels at a time (cpu_linear.c's wide kernels): the same bits as
+    the rows inside a block of six, whatever the thread count and with or without bias."""
+    lib = native.library(cpu_linear.SOURCE, flags=native.STRICT_FLAGS)
+    rng = np.random.default_rng(m * 1000 + n)
+    x, w = rng.standard_normal((6, 256), dtype=np.float32), rng.standard_normal((n, 256), dtype=np.float32)
+    for b in (None, rng.standard_normal(n, dtype=np.float32)):
+        six = _products(lib, x, w, b, 1)
+        for threads in (1, 2, 3):
+            got = _products(lib, x[:m].copy(), w, b, threads)
+            assert np.array_equal(got.view(np.int32), six[:m].view(np.int32)), (threads, b is None)
