@@ -99,9 +99,10 @@ MICRO(1) MICRO(2)
 /* One to three rows against one panel are ROWS * NV chains of dependent fused multiply-adds (two
  * to six on AVX2), too few to cover the units' latency. Such a product takes G whole panels side
  * by side instead, ROWS * G * NV chains (eight to twelve, as the six-row kernel has): on one
- * thread of an AMD EPYC (AVX2), weights in cache, the default model's shapes ran 1.0-1.35x as fast
- * at one row and 1.0-1.56x at two and three (a 2048 x 256 weight 0.87-0.89x at three). Each output
- * is still its own lane's sum over k in order: the same bits as micro_ROWS gives it. */
+ * thread of an AMD EPYC (AVX2), weights in cache, three runs of six shapes ran 1.0-1.35x as fast at
+ * one row and mostly 1.0-1.5x at two and three, with single runs at three rows down to 0.87x (4096
+ * x 256 once, 2048 x 256 twice). Each output is still its own lane's sum over k in order: the same
+ * bits as micro_ROWS gives it. */
 #define WIDE(ROWS, G)                                                                                  \
     static void wide_##ROWS(const float *restrict x, int64_t k, const float *restrict panel,          \
                             const float *restrict bias, float *restrict y, int64_t ldy) {             \
