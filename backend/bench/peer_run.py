@@ -5,13 +5,13 @@ Every server starts before the first run and stays up to the last: one vLLM serv
 configuration (each takes minutes to start) and one tritonserver (one LightSpec orchestrator loaded
 at a time). The runs then interleave, level by level, in serpentine order: each LightSpec
 configuration, over gRPC (the bench's usual client) and over HTTP SSE (Triton's
-``generate_stream``), next to the vLLM configuration of its method, over HTTP SSE
-(``/v1/completions``) with the same SSE client. The two sides of a ratio run a minute or two apart
-instead of one whole server's sweep apart: on a shared host whose speed drifts from minute to
-minute (another machine's load shows as CPU steal), a sweep run entirely before the other's can
-lose a quarter of its speed to a drift the other never saw. An idle vLLM server took about 1 % of
-a core (sampled from /proc while LightSpec ran). With ``--repeats`` the interleaved sweep repeats in rounds
-on the same servers.
+``generate_stream``), the two swapping places from round to round, next to the vLLM configuration
+of its method, over HTTP SSE (``/v1/completions``) with the same SSE client. The two sides of a
+ratio run a minute or two apart instead of one whole server's sweep apart: on a shared host whose
+speed drifts from minute to minute (another machine's load shows as CPU steal), a sweep run
+entirely before the other's can lose a quarter of its speed to a drift the other never saw. An
+idle vLLM server took about 1 % of a core (sampled from /proc while LightSpec ran). With
+``--repeats`` the interleaved sweep repeats in rounds on the same servers.
 
 Every run keeps its generated token ids, which are compared with LightSpec ``none``'s for the same
 prompt (``mismatches``): greedy decoding is the same function of the checkpoint on both servers, so
@@ -44,14 +44,21 @@ def interleaved(configs: list, peers: list[PeerConfig]) -> list[tuple[str, objec
     return items + [("vllm", p) for p in rest]
 
 
-def _lightspec_runs(server, switcher: ModelSwitcher, cfg, load, plan: BenchPlan, log) -> list[dict]:
+def lightspec_clients(server, rnd: int) -> list[tuple[str, str, object]]:
+    """(protocol, url, stream factory) of LightSpec's two clients in round ``rnd``: gRPC first in even
+    rounds, HTTP SSE first in odd ones: the first run after a model switch finds the prompts not yet
+    in the prefix cache, and no client should always be the one to take it."""
+    clients = [("grpc", server.grpc_url, None), ("http", server.http_url, stream_factory("lightspec"))]
+    return clients if rnd % 2 == 0 else clients[::-1]
+
+
+def _lightspec_runs(server, switcher: ModelSwitcher, cfg, load, plan: BenchPlan, rnd: int, log) -> list[dict]:
     if not switcher.is_active(cfg.model_name):
         t0 = time.perf_counter()
         switcher.activate(cfg.model_name)
         log(f"{cfg.model_name}: ready in {time.perf_counter() - t0:.1f}s")
     runs = []
-    for protocol, url, stream in (("grpc", server.grpc_url, None),
-                                  ("http", server.http_url, stream_factory("lightspec"))):  # fmt: skip
+    for protocol, url, stream in lightspec_clients(server, rnd):
         run = run_one(url, server.metrics_url, cfg, load, plan, log, stream)
         runs.append({**run, "server": "lightspec", "protocol": protocol})
     return runs
@@ -80,7 +87,7 @@ def peer_sweep(server, vllm: dict[str, VllmServer], peers: list[PeerConfig], pla
                 log(f"round {rnd + 1} of {plan.repeats}")
             for (kind, cfg), load in sweep_order(items, plan.loads, rnd):
                 if kind == "lightspec":
-                    done = _lightspec_runs(server, switcher, cfg, load, plan, log)
+                    done = _lightspec_runs(server, switcher, cfg, load, plan, rnd, log)
                 else:
                     done = [_vllm_run(vllm[cfg.config], cfg, load, plan, log)]
                 runs += [{**run, "repeat": rnd} for run in done]

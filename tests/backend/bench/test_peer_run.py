@@ -61,6 +61,19 @@ def test_each_lightspec_configuration_runs_next_to_vllms_of_its_method_and_level
     assert [item for item, _ in sweep_order(items, loads, 1)[:6]] == items[::-1]  # the next round starts reversed
 
 
+def test_lightspec_clients_swap_places_from_round_to_round():
+    from types import SimpleNamespace
+
+    from lightspec_backend.bench.peer_run import lightspec_clients
+
+    server = SimpleNamespace(grpc_url="127.0.0.1:1", http_url="http://127.0.0.1:2")
+    first = [[(p, url) for p, url, _ in lightspec_clients(server, rnd)] for rnd in range(3)]
+    grpc, http = ("grpc", "127.0.0.1:1"), ("http", "http://127.0.0.1:2")
+    assert first == [[grpc, http], [http, grpc], [grpc, http]]  # the run after a model switch alternates
+    streams = {p: s for p, _, s in lightspec_clients(server, 1)}
+    assert streams["grpc"] is None and callable(streams["http"])  # gRPC: the bench's own client; HTTP: SSE
+
+
 def _run(server, config, method, load, rnd, tok_s, protocol="http"):
     model = "vllm" if server == "vllm" else ("lightspec_none" if method == "none" else f"lightspec_{method}_{config}")
     return {"server": server, "model": model, "config": config, "method": method, "protocol": protocol,
