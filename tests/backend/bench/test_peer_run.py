@@ -67,9 +67,9 @@ def test_lightspec_clients_swap_places_from_round_to_round():
     from lightspec_backend.bench.peer_run import lightspec_clients
 
     server = SimpleNamespace(grpc_url="127.0.0.1:1", http_url="http://127.0.0.1:2")
-    first = [[(p, url) for p, url, _ in lightspec_clients(server, rnd)] for rnd in range(3)]
+    by_round = [[(p, url) for p, url, _ in lightspec_clients(server, rnd)] for rnd in range(3)]
     grpc, http = ("grpc", "127.0.0.1:1"), ("http", "http://127.0.0.1:2")
-    assert first == [[grpc, http], [http, grpc], [grpc, http]]  # the run after a model switch alternates
+    assert by_round == [[grpc, http], [http, grpc], [grpc, http]]  # the run after a model switch alternates
     streams = {p: s for p, _, s in lightspec_clients(server, 1)}
     assert streams["grpc"] is None and callable(streams["http"])  # gRPC: the bench's own client; HTTP: SSE
 
