@@ -52,6 +52,12 @@ def lightspec_clients(server, rnd: int) -> list[tuple[str, str, object]]:
     return clients if rnd % 2 == 0 else clients[::-1]
 
 
+def _tagged(log, server: str, protocol: str):
+    """``log`` with each run's line naming the server and the client: at a level one configuration
+    runs twice on LightSpec, and a vLLM configuration shares a method's name with LightSpec's."""
+    return lambda line: log(f"  {server:<9} {protocol:<4} {line.lstrip()}")
+
+
 def _lightspec_runs(server, switcher: ModelSwitcher, cfg, load, plan: BenchPlan, rnd: int, log) -> list[dict]:
     if not switcher.is_active(cfg.model_name):
         t0 = time.perf_counter()
@@ -59,7 +65,7 @@ def _lightspec_runs(server, switcher: ModelSwitcher, cfg, load, plan: BenchPlan,
         log(f"{cfg.model_name}: ready in {time.perf_counter() - t0:.1f}s")
     runs = []
     for protocol, url, stream in lightspec_clients(server, rnd):
-        run = run_one(url, server.metrics_url, cfg, load, plan, log, stream)
+        run = run_one(url, server.metrics_url, cfg, load, plan, _tagged(log, "lightspec", protocol), stream)
         runs.append({**run, "server": "lightspec", "protocol": protocol})
     return runs
 
@@ -69,7 +75,7 @@ def _vllm_run(server: VllmServer, cfg: PeerConfig, load, plan: BenchPlan, log) -
     # the warm-up runs before the first scrape, so the acceptance counts are the run's own
     warm_up(server.url, SERVED_NAME, plan, stream)
     before = scrape(server.metrics_url)
-    run = run_one(server.url, None, cfg, load, replace(plan, warmup=0), log, stream)
+    run = run_one(server.url, None, cfg, load, replace(plan, warmup=0), _tagged(log, "vllm", "http"), stream)
     run.update(vllm_server_stats(before, scrape_peer(server)))
     return {**run, "server": "vllm", "protocol": "http"}
 

@@ -240,8 +240,10 @@ def run_one(
     ``stream``: the client's ``make_stream`` (default gRPC; :func:`.sse.stream_factory` for HTTP).
     With ``plan.keep_ids`` the run keeps each request's generated token ids (``outputs``)."""
     model = cfg.model_name
+    started_at = time.time()  # the JSON lists runs by configuration; this keeps the order they ran in
     records, duration, before, after, steal = _measure(url, metrics_url, model, load, plan, stream)
     run = {
+        "started_at": started_at,
         "config": cfg.config,
         "method": cfg.method,
         "model": model,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,10 @@ def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_mode
     runs = doc["runs"]
     assert [(r["config"], r["method"], r["concurrency"]) for r in runs] == [
         ("none", "none", 1), ("none", "none", 2), ("dynamic", "mtp", 1), ("dynamic", "mtp", 2)]  # fmt: skip
+    by_start = sorted(runs, key=lambda r: r["started_at"])  # the order they ran in, from the JSON alone
+    assert [(r["config"], r["concurrency"]) for r in by_start] == [("none", 1), ("dynamic", 1), ("dynamic", 2),
+                                                                   ("none", 2)]  # fmt: skip
+    assert abs(by_start[0]["started_at"] - time.time()) < 600
     for r in runs:
         for key, kind in RUN_KEYS.items():
             assert isinstance(r[key], kind) or (kind is float and isinstance(r[key], int)), (key, r[key])

@@ -22,18 +22,26 @@ def test_peer_bench_runs_both_servers_and_their_greedy_tokens_agree(peer_python,
     argv = ["--peer", "vllm", "--peer-python", str(peer_python), "--peer-configs", "none",
             "--model-dir", str(default_model / "target"), "--configs", "none", "--concurrency", "1", "2",
             "--requests", "2", "--max-tokens", "16", "--num-prompts", "2", "--warmup", "1",
-            "--set", "num_threads=1", "--set", "num_kv_blocks=64", "--json", str(out)]  # fmt: skip
+            "--set", "num_threads=1", "--set", "num_kv_blocks=64", "--repeats", "2", "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     pid = int(re.search(r"vLLM \(none\) pid (\d+) ready", printed).group(1))
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
-    runs = json.loads(out.read_text())["runs"]
+    runs = json.loads(out.read_text())["runs"]  # each run the median of its two rounds
     assert [(r["server"], r["protocol"], r["concurrency"]) for r in runs] == [
         ("lightspec", "grpc", 1), ("lightspec", "http", 1), ("lightspec", "grpc", 2), ("lightspec", "http", 2),
         ("vllm", "http", 1), ("vllm", "http", 2)]  # fmt: skip
     for r in runs:
         assert (r["errors"], r["output_tokens"], r["compared"], r["mismatches"]) == (0, 32, 2, 0), r
-    assert "token identity: 0 of 12 requests differ from LightSpec none" in printed
+    assert "token identity: 0 of 24 requests differ from LightSpec none" in printed
+    # as they ran: level by level, serpentine, LightSpec's two clients swapping places from round to round
+    ran = re.findall(r"^round (\d)|^\s+(lightspec|vllm)\s+(grpc|http)\s+none\s+none\s+(c=\d)\s+[\d.]+ tok/s",
+                     printed, flags=re.MULTILINE)  # fmt: skip
+    assert [m[0] or " ".join(m[1:]) for m in ran] == [
+        "1", "lightspec grpc c=1", "lightspec http c=1", "vllm http c=1",
+        "vllm http c=2", "lightspec grpc c=2", "lightspec http c=2",
+        "2", "vllm http c=1", "lightspec http c=1", "lightspec grpc c=1",
+        "lightspec http c=2", "lightspec grpc c=2", "vllm http c=2"], printed  # fmt: skip
     assert re.search(r"lightspec none http\s+c=2\s+[\d.]+\s+[\d.]+x\s+[\d.]+x\s+none", printed), printed
 
 
