@@ -126,10 +126,20 @@ def kind_stats(records: list[Record]) -> dict[str, dict]:
     return out
 
 
+# what each round of a repeated run keeps beside its median run: its timing, load, client figures and
+# token check (not its per-request token ids nor its server counters: the median run holds those)
+ROUND_FIELDS = (
+    "repeat", "started_at", "throughput_tok_s", "mean_latency_s", "p50_latency_s", "p99_latency_s",
+    "mean_ttft_s", "p99_ttft_s", "mean_itl_s", "mean_in_flight", "errors", "step_ms",
+    "mean_acceptance_length", "loadavg_1m", "cpu_steal_share", "compared", "mismatches",
+)  # fmt: skip
+
+
 def median_runs(runs: list[dict]) -> list[dict]:
     """Per run kind (server, model, configuration, client protocol, concurrency, rate): the run with
     the median throughput (the lower middle one for an even count), with every repeat's throughput in
-    ``throughput_repeats``; first-seen order."""
+    ``throughput_repeats`` and every repeat's :data:`ROUND_FIELDS` in ``round_runs`` (round order);
+    first-seen order."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         kind = (r.get("server"), r["model"], r.get("config"), r.get("protocol"), r["concurrency"], r.get("rate"))
@@ -137,7 +147,9 @@ def median_runs(runs: list[dict]) -> list[dict]:
     out = []
     for rs in groups.values():
         ranked = sorted(rs, key=lambda r: r["throughput_tok_s"] or 0.0)
-        out.append({**ranked[(len(ranked) - 1) // 2], "throughput_repeats": [r["throughput_tok_s"] for r in rs]})
+        rounds = [{k: r[k] for k in ROUND_FIELDS if k in r} for r in rs]
+        median = ranked[(len(ranked) - 1) // 2]
+        out.append({**median, "throughput_repeats": [r["throughput_tok_s"] for r in rs], "round_runs": rounds})
     return out
 
 

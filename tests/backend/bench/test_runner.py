@@ -130,6 +130,7 @@ def test_bench_switches_models_only_when_needed_and_returns_runs_config_by_confi
                                                               ("lightspec_mtp_dynamic", 1), ("lightspec_mtp_dynamic", 2)]  # fmt: skip
     # each keeps its median round: none at c=1 made 10, then (second in round 2) 22, then 11
     assert runs[0]["throughput_tok_s"] == 11.0 and runs[0]["throughput_repeats"] == [10.0, 22.0, 11.0]
+    assert [r["repeat"] for r in runs[0]["round_runs"]] == [0, 1, 2]
 
 
 def test_the_baseline_is_taken_once_the_warm_ups_requests_are_counted(monkeypatch):

@@ -104,6 +104,24 @@ def test_repeats_keep_the_median_throughput_run_per_configuration_and_load():
     assert merged[0]["throughput_repeats"] == [10.0, 30.0, 20.0]
 
 
+def test_repeats_keep_every_rounds_latencies_and_load_but_not_their_token_ids():
+    def run(tps, latency, rnd):
+        return {"model": "a", "concurrency": 4, "rate": None, "throughput_tok_s": tps, "repeat": rnd,
+                "started_at": 100.0 * rnd, "mean_latency_s": latency, "p99_latency_s": 2 * latency,
+                "cpu_steal_share": 0.01 * rnd, "mismatches": rnd, "outputs": [{"prompt": "p", "ids": [rnd]}],
+                "engine_steps": 50 + rnd}  # fmt: skip
+
+    (merged,) = median_runs([run(10.0, 1.5, 0), run(30.0, 0.5, 1), run(20.0, 0.8, 2)])
+    assert merged["repeat"] == 2 and merged["outputs"] == [{"prompt": "p", "ids": [2]}]
+    rounds = merged["round_runs"]
+    assert [r["repeat"] for r in rounds] == [0, 1, 2]  # round order, not throughput order
+    assert [r["mean_latency_s"] for r in rounds] == [1.5, 0.5, 0.8]
+    assert [r["p99_latency_s"] for r in rounds] == [3.0, 1.0, 1.6]
+    assert [r["started_at"] for r in rounds] == [0.0, 100.0, 200.0]
+    assert [r["mismatches"] for r in rounds] == [0, 1, 2]
+    assert all("outputs" not in r and "engine_steps" not in r for r in rounds)
+
+
 def test_dynamic_is_compared_with_the_best_static_depth_per_level_round_by_round_and_on_average():
     def run(config, method, c, repeats):
         ranked = sorted(repeats)
