@@ -34,6 +34,12 @@ def test_peer_bench_runs_both_servers_and_their_greedy_tokens_agree(peer_python,
     for r in runs:
         assert (r["errors"], r["output_tokens"], r["compared"], r["mismatches"]) == (0, 32, 2, 0), r
     assert "token identity: 0 of 24 requests differ from LightSpec none" in printed
+    for r in runs:  # and every round's figures beside the median
+        assert [x["repeat"] for x in r["round_runs"]] == [0, 1], r
+        assert all((x["compared"], x["mismatches"], x["errors"]) == (2, 0, 0) for x in r["round_runs"]), r
+        assert r["throughput_tok_s"] in [x["throughput_tok_s"] for x in r["round_runs"]]
+    grpc, http = runs[0]["round_runs"], runs[1]["round_runs"]  # c=1: gRPC first in round 1, HTTP in round 2
+    assert grpc[0]["started_at"] < http[0]["started_at"] and http[1]["started_at"] < grpc[1]["started_at"]
     # as they ran: level by level, serpentine, LightSpec's two clients swapping places from round to round
     ran = re.findall(r"^round (\d)|^\s+(lightspec|vllm)\s+(grpc|http)\s+none\s+none\s+(c=\d)\s+[\d.]+ tok/s",
                      printed, flags=re.MULTILINE)  # fmt: skip
