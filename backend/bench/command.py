@@ -22,7 +22,7 @@ from .configs import DEFAULT_CONFIGS, RunConfig, parse_configs, stages_for, writ
 from .peer import PEER_CONFIGS, default_venv
 from .report import format_comparison, format_table, plot, save_results
 from .runner import QUICK, BenchPlan, Load, requests_rule, run_bench, run_with_server
-from .stats import dynamic_vs_static, run_caveats
+from .stats import dynamic_vs_static, every_round, run_caveats
 from .workload import Prompt, default_prompts, load_tokenizer, read_prompts
 
 DEFAULT_CONCURRENCY = [1, 4, 16, 64]
@@ -233,7 +233,8 @@ def _report(args, argv: list[str], runs: list[dict], meta: dict) -> None:
     if comparison:
         print()
         print(format_comparison(comparison))
-    for note in run_caveats(runs):
+    rounds = every_round(runs)  # a note or a failure in any round, not only in the medians
+    for note in run_caveats(rounds, rounds=len(rounds) > len(runs)):
         print("\n" + note)
     print(f"\n{len(runs)} runs in {meta['elapsed_s']:.0f}s")
     save_results(args, argv, runs, comparison, meta, plot)
@@ -271,4 +272,4 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.perf_counter() - t_start,
     }
     _report(args, argv, runs, meta)
-    return 1 if any(r["errors"] for r in runs) else 0
+    return 1 if any(r["errors"] for r in every_round(runs)) else 0

@@ -153,6 +153,12 @@ def median_runs(runs: list[dict]) -> list[dict]:
     return out
 
 
+def every_round(runs: list[dict]) -> list[dict]:
+    """Runs as :func:`median_runs` left them, back to one a round (each round's own figures over its
+    median's), for what must see every round: failed requests, stolen CPU. Unrepeated runs as they are."""
+    return [{**r, **x} for r in runs for x in r.get("round_runs") or [{}]]
+
+
 def _ratio(run: dict, base: dict | None, key: str) -> float | None:
     if base is None or not run.get(key) or not base.get(key):
         return None

@@ -87,6 +87,33 @@ def test_stream_interval_sets_the_models_parameter_and_vllms_flag_of_that_name(t
         bench.main([*argv, "--set", "stream_interval=2"])
 
 
+def test_a_failure_or_stolen_cpu_in_any_round_is_reported_and_fails_the_bench(tmp_path, monkeypatch, capsys):
+    """With --repeats the table shows each cell's median round; a round with failed requests that is
+    not the median must still fail the bench and be named, and so must a round the host slowed."""
+    from lightspec_backend.bench import command
+    from lightspec_backend.bench.stats import median_runs
+
+    def run(tps, rnd, errors=0, steal=0.0):
+        return {"config": "none", "method": "none", "model": "lightspec_none", "concurrency": 2, "rate": None,
+                "requests": 4, "errors": errors, "throughput_tok_s": tps, "repeat": rnd, "cpu_steal_share": steal}  # fmt: skip
+
+    out = tmp_path / "bench.json"
+    argv = ["--configs", "none", "--concurrency", "2", "--num-prompts", "2", "--repeats", "3", "--json", str(out)]
+
+    def bench_on(every: list[dict]):
+        monkeypatch.setattr(command, "_run", lambda args, plan, overrides: median_runs(every))
+        code = bench.main(argv)
+        return code, capsys.readouterr().out, json.loads(out.read_text())["runs"]
+
+    code, printed, (median,) = bench_on([run(10.0, 0), run(30.0, 1, errors=1), run(20.0, 2, steal=0.3)])
+    assert (median["repeat"], median["errors"], len(median["round_runs"])) == (2, 0, 3)
+    assert code == 1
+    assert "requests failed in: lightspec_none c=2 round 2: 1 of 4" in printed, printed
+    assert "other machines on the host during: lightspec_none c=2 round 3: 30 %" in printed, printed
+    code, printed, _ = bench_on([run(10.0, 0), run(20.0, 1)])
+    assert code == 0 and "note:" not in printed
+
+
 # ---- one short sweep through a real server --------------------------------------------------------------------
 @pytest.mark.triton
 def test_bench_sweep_against_a_real_server_writes_json_table_and_plot(smoke_model, tmp_path, monkeypatch, capsys):
