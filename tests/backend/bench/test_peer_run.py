@@ -31,13 +31,12 @@ def test_peer_bench_runs_both_servers_and_their_greedy_tokens_agree(peer_python,
     assert [(r["server"], r["protocol"], r["concurrency"]) for r in runs] == [
         ("lightspec", "grpc", 1), ("lightspec", "http", 1), ("lightspec", "grpc", 2), ("lightspec", "http", 2),
         ("vllm", "http", 1), ("vllm", "http", 2)]  # fmt: skip
-    for r in runs:
+    for r in runs:  # the median, and every round's figures beside it
         assert (r["errors"], r["output_tokens"], r["compared"], r["mismatches"]) == (0, 32, 2, 0), r
-    assert "token identity: 0 of 24 requests differ from LightSpec none" in printed
-    for r in runs:  # and every round's figures beside the median
         assert [x["repeat"] for x in r["round_runs"]] == [0, 1], r
         assert all((x["compared"], x["mismatches"], x["errors"]) == (2, 0, 0) for x in r["round_runs"]), r
         assert r["throughput_tok_s"] in [x["throughput_tok_s"] for x in r["round_runs"]]
+    assert "token identity: 0 of 24 requests differ from LightSpec none" in printed
     grpc, http = runs[0]["round_runs"], runs[1]["round_runs"]  # c=1: gRPC first in round 1, HTTP in round 2
     assert grpc[0]["started_at"] < http[0]["started_at"] and http[1]["started_at"] < grpc[1]["started_at"]
     # as they ran: level by level, serpentine, LightSpec's two clients swapping places from round to round
