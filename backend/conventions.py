@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 
 # vLLM SamplingParams key -> (SamplingParams field, converter). ``num_draft_tokens`` and
@@ -79,7 +80,7 @@ TRTLLM_EMPTY = ("bad_words", "embedding_bias_words", "embedding_bias_weights")
 
 
 def _is_int_text(value: str) -> bool:
-    return value.strip().lstrip("+-").isdigit()
+    return re.fullmatch(r"\s*[+-]?[0-9]+\s*", value) is not None
 
 
 def coerce(name: str, value, kind: str):

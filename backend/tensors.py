@@ -58,7 +58,10 @@ INPUTS = [
     ),
     TensorSpec("stop_words", "STRING", (-1,), doc="stop strings; the text ends before the first match"),
     TensorSpec(
-        "end_id", "INT32", (1,), doc="extra end-of-sequence token id (the tokenizer's EOS stops unless ignore_eos)"
+        "end_id",
+        "INT32",
+        (1,),
+        doc="extra end-of-sequence token id, in [0, vocabulary size) (the tokenizer's EOS stops unless ignore_eos)",
     ),
     TensorSpec(
         "ignore_eos", "BOOL", (1,), doc="default false; true keeps generating past the tokenizer's EOS (benchmarks)"

@@ -21,6 +21,9 @@ class SpecMethod(str, Enum):
     NONE = "none"
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _bad(name: str, value, why: str) -> ValueError:
     return ValueError(f"{name}={value!r}: {why}")
 
@@ -65,8 +68,8 @@ class SamplingParams:
             raise _bad("temperature", self.temperature, "must be >= 0")
         if not (0.0 < self.top_p <= 1.0):
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k < 0:
-            raise _bad("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if not 0 <= self.top_k <= INT32_MAX:  # the stages carry top_k as int32
+            raise _bad("top_k", self.top_k, f"must be in [0, {INT32_MAX}] (0 disables top-k)")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
@@ -219,6 +222,8 @@ class EngineConfig:
             raise _bad("kv_high_water", self.kv_high_water, "must be in (0, 1]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise _bad("ngram_min", self.ngram_min, "need 1 <= ngram_min <= ngram_max")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
+            raise _bad("max_model_len", self.max_model_len, "must be a positive integer (or unset: the model's)")
         if self.kv_cache_memory:
             parse_memory(self.kv_cache_memory)
         if self.dtype not in DTYPES:

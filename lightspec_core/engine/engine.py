@@ -33,28 +33,12 @@ from .build import build_local_executor, check_same_vocabulary, make_proposer
 from .kv_budget import with_kv_budget
 from .outputs import RequestDelta, RequestOutput
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
-from .sequence import Sequence, Status
+from .sequence import Sequence, Status, checked_prompt
 from .stats import RuntimeStats
 from .step import InFlight, pack_step, target_probs
 from .text import take_delta, truncate_at_stop
 
 log = logging.getLogger("lightspec")
-
-
-def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: str | list[int],
-                   params: SamplingParams) -> list[int]:
-    """The prompt's token ids, or a ``ValueError`` naming ``prompt`` or ``max_tokens``."""
-    ids = tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    if not ids:
-        raise ValueError("prompt: empty prompt")
-    if any(t < 0 or t >= vocab for t in ids):
-        raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt: {len(ids)} tokens, the context holds {max_model_len}")
-    if len(ids) + params.max_tokens > max_model_len:
-        raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
-                         f"context of {max_model_len} tokens")
-    return ids
 
 
 def _stamp_done(fut: Future) -> None:

@@ -8,7 +8,7 @@ and in one process that work and the engine's forward pass take turns at the int
 the engine loop never waits for it, and one message a step carries all of the step's deltas.
 
 The parent keeps what answers a request without the model: the tokenizer, so that a bad prompt is
-refused at once with the engine's own error (:func:`~lightspec_core.engine.engine.checked_prompt`),
+refused at once with the engine's own error (:func:`~lightspec_core.engine.sequence.checked_prompt`),
 and the statistics the child last reported. The child steps while it has work, sending
 ``("deltas", deltas, stats)`` after each step (``stats``, a snapshot and the drained observations,
 at most every ``stats_interval_s`` and whenever it goes idle), and reads ``add``/``abort``/``threads``/``stop``
@@ -36,8 +36,8 @@ from multiprocessing.connection import Connection
 from ..config import EngineConfig, SamplingParams, resolve_dirs
 from ..models.llama import LlamaConfig
 from ..models.tokenizer import TokenizerInfo
-from .engine import checked_prompt
 from .outputs import RequestDelta
+from .sequence import checked_prompt
 
 log = logging.getLogger("lightspec")
 

@@ -13,7 +13,26 @@ from enum import Enum
 import numpy as np
 
 from ..config import SamplingParams
-from ..models.tokenizer import IncrementalDetokenizer
+from ..models.tokenizer import IncrementalDetokenizer, TokenizerInfo
+
+
+def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: str | list[int],
+                   params: SamplingParams) -> list[int]:
+    """The prompt's token ids, or a ``ValueError`` naming ``prompt``, ``max_tokens`` or ``end_id``
+    (checked here, not at its first use inside a batched step, which would fail the whole batch)."""
+    if params.end_id is not None and not 0 <= params.end_id < vocab:
+        raise ValueError(f"end_id={params.end_id}: must be a token id in [0, {vocab})")
+    ids = tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("prompt: empty prompt")
+    if any(t < 0 or t >= vocab for t in ids):
+        raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt: {len(ids)} tokens, the context holds {max_model_len}")
+    if len(ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
+                         f"context of {max_model_len} tokens")
+    return ids
 
 
 class Status(Enum):

@@ -134,6 +134,18 @@ def test_prompt_too_long_is_invalid_arg_from_the_engine(served, engine):
     assert err.code() == pb.TritonError.INVALID_ARG and err.message().startswith("input_ids: ")
 
 
+def test_an_end_id_beyond_the_vocabulary_is_refused_and_its_batch_mates_finish(served, engine):
+    orch, pb = served
+    good = [request(text_input=f"def f{i}(x):", max_tokens=8, min_tokens=4) for i in range(3)]
+    bad = request(text_input="def g():", max_tokens=8, min_tokens=4, end_id=engine.model_config.vocab_size)
+    for r in [*good[:2], bad, good[2]]:
+        orch.submit(r)
+    assert all(r.sender.wait_final(30) for r in [*good, bad])
+    err = bad.sender.final.error()
+    assert err.code() == pb.TritonError.INVALID_ARG and err.message().startswith("end_id=")
+    assert not any(r.sender.final.has_error() for r in good)
+
+
 def test_take_turns_covers_every_request_within_its_share_of_polls():
     items, turn, seen = list(range(10)), 0, []
     for _ in range(4):

@@ -54,6 +54,8 @@ def test_empty_string_means_default():
         ({"role": "router"}, "role='router'"),
         ({"num_kv_block": "64"}, "num_kv_block='64'"),  # typo: unknown parameter
         ({"decode_threads": "-1"}, "decode_threads=-1"),
+        ({"max_model_len": "-5"}, "max_model_len=-5"),
+        ({"max_model_len": "0"}, "max_model_len=0"),
         ({"decode_nice": "3"}, "decode_nice=3"),
         ({"response_threads": "0"}, "response_threads='0'"),
         ({"response_threads": "two"}, "response_threads='two'"),

@@ -268,6 +268,35 @@ def test_bad_requests_are_rejected_with_the_field_named(smoke_model):
         EngineConfig(policy="static:x")
 
 
+def test_an_end_id_outside_the_vocabulary_is_refused_and_the_batch_keeps_decoding(smoke_model):
+    """An end id is first used inside a batched step (masking it under min_tokens): one out of range
+    there would fail every request in the batch, so it is refused when the request is added."""
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="none"))
+    vocab = eng.model_config.vocab_size
+    eng.add_request("good", "def f(x):", SamplingParams(max_tokens=6, ignore_eos=True, min_tokens=2))
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=rf"^end_id={bad}: must be a token id in \[0, {vocab}\)"):
+            eng.add_request(f"bad{bad}", "def g():", SamplingParams(max_tokens=6, min_tokens=2, end_id=bad))
+    eng.add_request("edge", "def g():", SamplingParams(max_tokens=6, min_tokens=2, end_id=vocab - 1))
+    finals = {d.request_id: d for _ in range(40) for d in eng.step() if d.finished}
+    assert set(finals) == {"good", "edge"} and finals["good"].finish_reason == "length"
+
+
+def test_a_top_k_beyond_int32_is_refused_naming_it():
+    """The stages carry top_k as int32; a larger one would wrap there (or overflow int64 in torch)."""
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
+    for bad in (2**31, 10**20):
+        with pytest.raises(ValueError, match=rf"^top_k={bad}: must be in \[0, 2147483647\]"):
+            SamplingParams(top_k=bad)
+
+
+def test_a_max_model_len_below_one_is_refused_naming_it():
+    assert EngineConfig(max_model_len=None).max_model_len is None
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match=rf"^max_model_len={bad}: must be a positive integer"):
+            EngineConfig(max_model_len=bad)
+
+
 def test_higher_priority_is_admitted_first(smoke_model):
     eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), max_num_seqs=1))
     eng.add_request("low", "a = 1", SamplingParams(max_tokens=3, priority=0))
