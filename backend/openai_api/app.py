@@ -28,6 +28,7 @@ from .convert import (
     finish_reason,
     full_response,
     new_id,
+    renamed_fields,
     request_tensors,
     sampling_tensors,
 )
@@ -125,9 +126,9 @@ async def _events(endpoint: str, rid: str, model: str, body, first: Chunk, chunk
     yield b"data: [DONE]\n\n"
 
 
-async def _answer(request: Request, triton: Triton, endpoint: str, model: str, body, tensors, prompt_field: str):
+async def _answer(request: Request, triton: Triton, endpoint: str, model: str, body, tensors):
     rid = new_id(endpoint)
-    chunks = triton.generate(model, tensors, prompt_field)
+    chunks = triton.generate(model, tensors, renamed_fields(body))
     try:
         if not body.stream:
             return JSONResponse(full_response(endpoint, rid, body.model, await _unless_gone(request, _collect(chunks))))
@@ -181,7 +182,7 @@ def _generation_routes(app: FastAPI, triton: Triton) -> None:
         prompt = body.single_prompt()
         tensors = request_tensors(prompt, body)
         served = await triton.find(body.model)
-        return await _answer(request, triton, "completions", served.name, body, tensors, "prompt")
+        return await _answer(request, triton, "completions", served.name, body, tensors)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -192,7 +193,7 @@ def _generation_routes(app: FastAPI, triton: Triton) -> None:
             served.model_dir, messages, body.add_generation_prompt, body.continue_final_message,
             body.chat_template_kwargs,
         )  # fmt: skip
-        return await _answer(request, triton, "chat", served.name, body, request_tensors(prompt, body), "messages")
+        return await _answer(request, triton, "chat", served.name, body, request_tensors(prompt, body))
 
 
 def create_app(

@@ -4,9 +4,11 @@ The template comes from where transformers looks for it: ``chat_template.jinja``
 tokenizer (what ``save_pretrained`` writes), else ``tokenizer_config.json``'s ``chat_template`` (a
 string, or a list of named templates of which ``default`` is used). It is rendered in a sandboxed
 Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the ``raise_exception`` and
-``strftime_now`` globals, a ``tojson`` that does not escape HTML, and the tokenizer's special tokens
-(``bos_token``, ``eos_token``, ...) as variables, as ``apply_chat_template`` does. The rendered text
-is the prompt; Triton tokenizes it without adding special tokens (the template has them already).
+``strftime_now`` globals, a ``tojson`` that does not escape HTML, the ``{% generation %}`` block
+(rendered as its body), and the tokenizer's special tokens (``bos_token``, ``eos_token``, ...) as
+variables, which a request's ``chat_template_kwargs`` override, as ``apply_chat_template`` does.
+The rendered text is the prompt; Triton tokenizes it without adding special tokens (the template
+has them already).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 from .errors import OpenAIError
 
+# template variables the request sets through its own fields, not through chat_template_kwargs
+_REQUEST_FIELDS = ("messages", "add_generation_prompt")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -45,6 +49,25 @@ def load_template(model_dir: str) -> tuple[str | None, dict[str, str]]:
     return (template if isinstance(template, str) and template else None), tokens
 
 
+def _generation_extension():
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's part of a
+        conversation with it (for ``return_assistant_tokens_mask``); a prompt needs only the body,
+        in a scope of its own as transformers' block has."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
     import jinja2
@@ -57,7 +80,9 @@ def _compile(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_extension()]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -69,10 +94,18 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-    extra: dict[str, Any] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text for ``messages``. A checkpoint without a chat template, or a template that
-    raises, is a 400 naming the cause."""
+    """The prompt text for ``messages``. ``chat_template_kwargs``: the request's extra template
+    variables (they override the special tokens). A checkpoint without a chat template, or a
+    template that raises, is a 400 naming the cause."""
+    variables = dict(chat_template_kwargs or {})
+    for key in _REQUEST_FIELDS:
+        if key in variables:
+            raise OpenAIError(
+                f"chat_template_kwargs.{key}: use the request's own {key} field instead",
+                param=f"chat_template_kwargs.{key}",
+            )
     if model_dir is None:
         raise OpenAIError(
             "messages: the model's checkpoint directory is unknown, so its chat template cannot be read "
@@ -95,7 +128,7 @@ def render_chat(
 
     try:
         text = _compile(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **tokens, **(extra or {})
+            {**tokens, **variables}, messages=messages, add_generation_prompt=add_generation_prompt
         )
     except jinja2.exceptions.TemplateError as e:
         raise OpenAIError(f"messages: the chat template refused the conversation: {e}", param="messages") from None

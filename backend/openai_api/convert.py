@@ -11,19 +11,55 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lightspec_core.config import SamplingParams
 
-from .errors import OpenAIError
+from ..tensors import INPUT_SPECS
+from .errors import OpenAIError, field_of
 from .protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from .triton import Chunk
-
-_UINT64_MAX = (1 << 64) - 1
 
 
 def _length(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, int] | None:
     if isinstance(req, ChatCompletionRequest):
         return req.length_limit
     return "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+
+
+def renamed_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """The fields this request names otherwise than a completion does, for errors to name what the
+    client sent (see :func:`.errors.field_of`)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return {}
+    length = req.length_limit
+    return {"prompt": "messages"} | ({"max_tokens": length[0]} if length else {})
+
+
+def _check_values(tensors: dict[str, object], stop: list[str], renamed: dict[str, str]) -> None:
+    """The engine's own checks (``SamplingParams``), as a 400 naming the field."""
+    try:
+        SamplingParams(**{k: v for k, v in tensors.items() if k != "stop_words"}, stop=stop)
+    except ValueError as e:
+        name = field_of(str(e).split("=")[0].split(":")[0].strip(), renamed)
+        raise OpenAIError(str(e) if str(e).startswith(name) else f"{name}: {e}", param=name) from None
+
+
+def _check_ranges(tensors: dict[str, object], renamed: dict[str, str]) -> None:
+    """A 400 naming the field for an integer its tensor's datatype cannot hold: numpy would wrap it
+    silently (``top_k=2**32+5`` becomes 5) or fail the request with a 500."""
+    for name, value in tensors.items():
+        spec = INPUT_SPECS[name]
+        if spec.numpy_dtype.kind not in "iu":
+            continue
+        info = np.iinfo(spec.numpy_dtype)
+        bad = [v for v in (value if isinstance(value, list) else [value]) if not info.min <= v <= info.max]
+        if bad:
+            field = field_of(name, renamed)
+            what = f"{field}: {bad[0]}" if isinstance(value, list) else f"{field}={bad[0]}"
+            raise OpenAIError(
+                f"{what}: out of range (the {name} tensor is {spec.triton_type}, {info.min} to {info.max})", param=field
+            )
 
 
 def sampling_tensors(req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
@@ -39,26 +75,20 @@ def sampling_tensors(req: CompletionRequest | ChatCompletionRequest) -> dict[str
     for name in ("top_k", "seed", "num_draft_tokens", "priority", "ignore_eos", "stream_interval"):
         if getattr(req, name) is not None:
             tensors[name] = getattr(req, name)
+    if tensors.get("top_k") == -1:  # vLLM's "off", which many clients send; the backend's vLLM convention agrees
+        tensors["top_k"] = 0
     if req.stop_list:
         tensors["stop_words"] = req.stop_list
-    kwargs = {k: v for k, v in tensors.items() if k != "stop_words"}
-    try:
-        SamplingParams(**kwargs, stop=req.stop_list)
-    except ValueError as e:
-        name = str(e).split("=")[0].split(":")[0].strip()
-        if name == "max_tokens" and length is not None:
-            name = length[0]
-        raise OpenAIError(str(e) if str(e).startswith(name) else f"{name}: {e}", param=name) from None
-    if req.seed is not None and req.seed > _UINT64_MAX:
-        raise OpenAIError(f"seed={req.seed}: must be < 2**64", param="seed")
-    if length is not None and length[1] > (1 << 31) - 1:
-        raise OpenAIError(f"{length[0]}={length[1]}: too large", param=length[0])
+    renamed = renamed_fields(req)
+    _check_values(tensors, req.stop_list, renamed)
+    _check_ranges(tensors, renamed)
     return tensors
 
 
 def request_tensors(prompt: str | list[int], req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
     """Every tensor of the Triton request for ``prompt`` (text, or token ids)."""
-    tensors = {"text_input": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+    tensors: dict[str, object] = {"text_input": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+    _check_ranges(tensors, renamed_fields(req))
     tensors |= sampling_tensors(req)
     tensors |= {
         "stream": bool(req.stream),

@@ -53,16 +53,23 @@ def _leading_tensor(message: str) -> str | None:
     return m.group(1) if m and (m.group(1) in INPUT_SPECS or m.group(1) in ("prompt", "stop")) else None
 
 
-def from_triton(message: str, status: str | None = None, prompt_field: str = "prompt") -> OpenAIError:
+def field_of(tensor: str, renamed: dict[str, str] | None = None) -> str:
+    """The OpenAI request field that ``tensor`` (or a ``SamplingParams`` name) is filled from, as
+    the client named it: ``renamed`` maps a field's usual name to the one the request used
+    (chat's ``messages`` for ``prompt``, ``max_completion_tokens`` for ``max_tokens``)."""
+    field = TENSOR_TO_FIELD.get(tensor, tensor)
+    return (renamed or {}).get(field, field)
+
+
+def from_triton(message: str, status: str | None = None, renamed: dict[str, str] | None = None) -> OpenAIError:
     """The OpenAI error for a Triton error ``message`` (``status``: the gRPC status name, when the
-    error ended the call rather than arriving as a stream response; ``prompt_field``: the request
-    field the prompt came from, ``messages`` for chat)."""
+    error ended the call rather than arriving as a stream response; ``renamed``: the request's
+    field names, see :func:`field_of`)."""
     status = (status or "").upper()
     lowered = message.lower()
     tensor = _leading_tensor(message)
     if tensor is not None or "INVALID_ARG" in status:
-        field = TENSOR_TO_FIELD.get(tensor or "", tensor)
-        field = prompt_field if field == "prompt" else field
+        field = field_of(tensor, renamed) if tensor is not None else None
         if tensor is not None and field != tensor:
             message = f"{field}: {message}"  # the client knows its field, not the tensor
         return OpenAIError(message, 400, param=field)
@@ -75,11 +82,23 @@ def from_triton(message: str, status: str | None = None, prompt_field: str = "pr
     return OpenAIError(f"the inference server failed the request: {message}", 500, code="internal_error")
 
 
+def _is_union_branch(part: str) -> bool:
+    # pydantic names the member of a union it tried (``str``, ``list[int]``, ``function-after[...]``);
+    # a field name never has brackets
+    return part in ("str", "int", "float", "bool", "bytes", "none") or re.fullmatch(r"[a-z-]+\[.*\]", part) is not None
+
+
 def validation_error(errors: list[dict]) -> OpenAIError:
-    """A 400 for pydantic's first validation error, naming the field as a dotted path."""
+    """A 400 for pydantic's first validation error, naming the field as a dotted path of field
+    names and list indices."""
     err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") == "json_invalid":  # FastAPI's: loc is ("body", character position)
+        detail = (err.get("ctx") or {}).get("error", err.get("msg", ""))
+        at = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+        return OpenAIError(f"the request body is not valid JSON ({detail}{at})", 400)
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    param = ".".join(str(p) for p in loc if not (isinstance(p, str) and _is_union_branch(p))) or None
     msg = err.get("msg", "invalid value")
     if err.get("type") == "extra_forbidden":
         msg = "unknown field (not part of the OpenAI API, or not supported by LightSpec)"

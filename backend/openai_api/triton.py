@@ -72,8 +72,8 @@ def decode_chunk(result) -> Chunk:
     )
 
 
-def _rpc_error(e: grpc.RpcError) -> OpenAIError:
-    return from_triton(e.details() or str(e), e.code().name if e.code() else None)
+def _rpc_error(e: grpc.RpcError, renamed: dict[str, str] | None = None) -> OpenAIError:
+    return from_triton(e.details() or str(e), e.code().name if e.code() else None, renamed)
 
 
 def _param(config, key: str) -> str | None:
@@ -158,9 +158,12 @@ class Triton:
         served = ", ".join(m.name for m in models) or "none"
         raise OpenAIError(f"model {name!r} does not exist (served: {served})", 404, "model", "model_not_found")
 
-    async def generate(self, model: str, tensors: dict[str, object], prompt_field: str) -> AsyncIterator[Chunk]:
+    async def generate(
+        self, model: str, tensors: dict[str, object], renamed: dict[str, str] | None = None
+    ) -> AsyncIterator[Chunk]:
         """The request's data responses in order, up to the one with the finish reason. Closing
-        the iterator early cancels the request in Triton."""
+        the iterator early cancels the request in Triton. An error names the request's field as
+        the client called it (``renamed``, see :func:`.errors.field_of`)."""
         done = asyncio.Event()
 
         async def requests():
@@ -172,7 +175,7 @@ class Triton:
         try:
             async for result, error in responses:
                 if error is not None:
-                    raise from_triton(error.message(), error.status(), prompt_field)
+                    raise from_triton(error.message(), error.status(), renamed)
                 chunk = decode_chunk(result)
                 finished = bool(chunk.finish_reason)
                 yield chunk
@@ -180,7 +183,7 @@ class Triton:
                     return
             raise OpenAIError("the inference server closed the stream before the last response", 503)
         except grpc.RpcError as e:
-            raise _rpc_error(e) from None
+            raise _rpc_error(e, renamed) from None
         finally:
             done.set()
             if not finished:

@@ -55,9 +55,51 @@ def test_no_triton_is_503(client):
     error(client.post("/v1/completions", json={"model": "lightspec", "prompt": "x"}), 503)
 
 
-def test_invalid_json_is_400(client):
+def test_invalid_json_is_400_naming_no_field(client):
     r = client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
-    error(r, 400)
+    err = error(r, 400)
+    assert err["param"] is None and err["message"].startswith("the request body is not valid JSON")
+
+
+@pytest.fixture
+def engine_refusing_length(tmp_path):
+    """An app whose Triton serves a model with a chat template and answers every request with the
+    engine's error for a length beyond the context; ``.sent`` holds the requests' tensors."""
+    from lightspec_backend.openai_api.errors import from_triton
+    from lightspec_backend.openai_api.triton import ServedModel
+
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ bos_token }}{{ messages[0].content }}"}')
+    app, sent = create_app("127.0.0.1:1"), []
+
+    async def find(name):
+        return ServedModel("lightspec", tmp_path)
+
+    async def generate(model, tensors, renamed=None):
+        sent.append(tensors)
+        raise from_triton("max_tokens=5000: exceeds the model's context length (1024 tokens)", None, renamed)
+        yield  # an async generator, as Triton.generate
+
+    app.state.triton.find, app.state.triton.generate = find, generate
+    with TestClient(app) as c:
+        c.sent = sent
+        yield c
+
+
+@pytest.mark.parametrize("length", ["max_tokens", "max_completion_tokens"])
+def test_an_engine_length_error_names_the_field_the_chat_request_sent(engine_refusing_length, length):
+    body = {"model": "lightspec", "messages": [{"role": "user", "content": "x"}], length: 5000}
+    err = error(engine_refusing_length.post("/v1/chat/completions", json=body), 400)
+    assert err["param"] == length and err["message"].startswith(f"{length}")
+
+
+def test_chat_template_kwargs_are_template_variables_and_request_fields_a_400(engine_refusing_length):
+    body = {"model": "lightspec", "messages": [{"role": "user", "content": "x"}]}
+    bos = {**body, "chat_template_kwargs": {"bos_token": "<B>"}}
+    engine_refusing_length.post("/v1/chat/completions", json=bos)
+    assert engine_refusing_length.sent[-1]["text_input"] == "<B>x"
+    body["chat_template_kwargs"] = {"add_generation_prompt": False}
+    err = error(engine_refusing_length.post("/v1/chat/completions", json=body), 400)
+    assert err["param"] == "chat_template_kwargs.add_generation_prompt"
 
 
 def test_a_port_in_use_fails_start_naming_the_port_and_the_way_out():

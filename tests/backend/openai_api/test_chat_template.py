@@ -80,3 +80,37 @@ def test_a_checkpoint_without_a_template_is_a_400_naming_it(default_model):
     with pytest.raises(OpenAIError) as e:
         render_chat(default_model / "target", [{"role": "user", "content": "hi"}])
     assert e.value.status == 400 and "no chat template" in e.value.message and e.value.code == "missing_chat_template"
+
+
+def test_chat_template_kwargs_override_the_special_tokens_as_transformers(checkpoint):
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, bos_token="<B>", eos_token="<E>"
+    )
+    got = render_chat(checkpoint, MESSAGES, True, False, {"bos_token": "<B>", "eos_token": "<E>"})
+    assert got == want and got.startswith("<B><|user|>") and "return n<E>" in got
+
+
+@pytest.mark.parametrize("key", ["messages", "add_generation_prompt"])
+def test_request_fields_in_chat_template_kwargs_are_a_400_naming_the_field_to_use(checkpoint, key):
+    with pytest.raises(OpenAIError) as e:
+        render_chat(checkpoint, MESSAGES, True, False, {key: []})
+    assert e.value.status == 400 and e.value.param == f"chat_template_kwargs.{key}"
+    assert e.value.message.startswith(f"chat_template_kwargs.{key}: use the request's own {key} field")
+
+
+# transformers marks the assistant's tokens with {% generation %}; what is set inside stays inside
+GENERATION_TEMPLATE = (
+    "{% set tag = 'outer' %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{% set tag = 'inner' %}[{{ m['content'] }}|{{ tag }}]{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{{ tag }}"
+)
+
+
+def test_generation_blocks_render_their_body_as_transformers(tmp_path, default_model):
+    from transformers import AutoTokenizer
+
+    ckpt = chat_checkpoint(default_model / "target", tmp_path / "target", GENERATION_TEMPLATE)
+    want = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(MESSAGES[1:], tokenize=False)
+    assert render_chat(ckpt, MESSAGES[1:]) == want == "  def fib(n):  [return n|inner]againouter"

@@ -85,6 +85,40 @@ def test_bad_or_unsupported_values_are_a_400_naming_the_field(kw, param):
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
+        ({"top_k": (1 << 32) + 5}, "top_k"),  # INT32 would wrap it to 5
+        ({"priority": -(1 << 31) - 1}, "priority"),  # INT32 would wrap it to the highest priority
+        ({"priority": 1 << 31}, "priority"),
+        ({"num_draft_tokens": 1 << 31}, "num_draft_tokens"),
+        ({"stream_interval": 1 << 31}, "stream_interval"),
+        ({"max_tokens": 1 << 31}, "max_tokens"),
+        ({"seed": 1 << 64}, "seed"),  # UINT64
+    ],
+)
+def test_integers_their_tensor_cannot_hold_are_a_400_naming_the_field(kw, param):
+    with pytest.raises(OpenAIError) as e:
+        sampling_tensors(completion(**kw))
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(f"{param}={kw[param]}: ")
+
+
+def test_the_range_check_names_the_chat_length_field_and_covers_prompt_token_ids():
+    with pytest.raises(OpenAIError) as e:
+        sampling_tensors(chat(max_completion_tokens=1 << 31))
+    assert e.value.param == "max_completion_tokens"
+    with pytest.raises(OpenAIError) as e:
+        request_tensors([5, 1 << 63], completion())  # INT64 input_ids
+    assert e.value.param == "prompt" and e.value.message.startswith(f"prompt: {1 << 63}: out of range")
+    edges = sampling_tensors(completion(priority=-(1 << 31), top_k=(1 << 31) - 1, seed=(1 << 64) - 1))
+    assert (edges["priority"], edges["top_k"], edges["seed"]) == (-(1 << 31), (1 << 31) - 1, (1 << 64) - 1)
+
+
+def test_top_k_minus_one_is_vllms_off():
+    assert sampling_tensors(completion(top_k=-1))["top_k"] == 0
+    assert sampling_tensors(chat(top_k=-1))["top_k"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),

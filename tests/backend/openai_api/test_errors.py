@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from lightspec_backend.openai_api.convert import renamed_fields
 from lightspec_backend.openai_api.errors import OpenAIError, from_triton, validation_error
+from lightspec_backend.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from pydantic import ValidationError
 
 
 @pytest.mark.parametrize(
@@ -30,9 +33,28 @@ def test_lightspec_error_messages_map_to_status_and_field(message, status, param
         assert body["type"] == "invalid_request_error" and body["message"].startswith(param)
 
 
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="lightspec", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
 def test_chat_names_messages_for_prompt_errors():
-    err = from_triton("prompt: 2000 tokens, the context holds 1024", prompt_field="messages")
+    err = from_triton("prompt: 2000 tokens, the context holds 1024", renamed=renamed_fields(chat()))
     assert err.param == "messages" and err.message.startswith("messages: ")
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({}, "max_tokens"),
+    ],
+)
+def test_engine_length_errors_name_the_length_field_the_chat_request_sent(kw, param):
+    err = from_triton(
+        "max_tokens=5000: exceeds the model's context length (1024 tokens)", renamed=renamed_fields(chat(**kw))
+    )
+    assert err.status == 400 and err.param == param and err.message.startswith(f"{param}")
 
 
 def test_grpc_status_decides_when_the_message_does_not():
@@ -46,6 +68,39 @@ def test_validation_errors_name_the_field_path():
     assert err.status == 400 and err.param == "messages.0.role" and err.message == "messages.0.role: Field required"
     unknown = validation_error([{"loc": ("body", "guided_json"), "msg": "Extra inputs", "type": "extra_forbidden"}])
     assert unknown.param == "guided_json" and "unknown field" in unknown.message
+
+
+def first_error(model, **body) -> list[dict]:
+    with pytest.raises(ValidationError) as e:
+        model(model="lightspec", **body)
+    return [{**err, "loc": ("body", *err["loc"])} for err in e.value.errors()]  # as FastAPI reports them
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param"),
+    [
+        (CompletionRequest, {"prompt": 5}, "prompt"),  # not "prompt.str"
+        (CompletionRequest, {"prompt": "x", "stop": 5}, "stop"),
+        (CompletionRequest, {"prompt": [[1, "a"]]}, "prompt"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": 5}]}]}, "messages.0.content"),
+        (ChatCompletionRequest, {"messages": [{"role": "user"}], "tool_choice": 5}, "tool_choice"),
+        (CompletionRequest, {"prompt": "x", "logit_bias": {"7": "high"}}, "logit_bias.7"),
+    ],
+)
+def test_validation_errors_name_fields_and_indices_not_union_branches(model, body, param):
+    err = validation_error(first_error(model, **body))
+    assert err.param == param and err.message.startswith(f"{param}: ")
+
+
+def test_invalid_json_names_no_field():
+    fastapi_error = {"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error",
+                     "ctx": {"error": "Expecting property name enclosed in double quotes"}}  # fmt: skip
+    err = validation_error([fastapi_error])
+    assert err.status == 400 and err.param is None
+    assert (
+        err.message
+        == "the request body is not valid JSON (Expecting property name enclosed in double quotes at character 1)"
+    )
 
 
 def test_error_types_follow_openai():
