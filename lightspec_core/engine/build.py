@@ -36,11 +36,22 @@ def check_same_vocabulary(target: LlamaConfig, target_tok: TokenizerInfo, draft_
                          f"({draft.vocab_size} against {target.vocab_size} ids, or other tokens)")
 
 
+def check_draft_context(draft_dir: str, max_context: int) -> None:
+    """A draft model runs at every position the target serves: its positions must reach as far."""
+    positions = LlamaConfig.from_dir(draft_dir).max_position_embeddings
+    if positions < max_context:
+        raise ValueError(f"draft_dir={draft_dir!r}: the draft model's max_position_embeddings={positions} is "
+                         f"below the {max_context} tokens the target serves; set max_model_len to at most "
+                         f"{positions}")
+
+
 def build_local_executor(cfg: EngineConfig, max_context: int | None = None) -> LocalExecutor:
     """The stages' runners in this process; ``max_context``: the served context (default: read
     from the target's config)."""
     target, mtp, draft = resolve_dirs(cfg)
     ctx = max_context or served_context(cfg, target)
+    if cfg.method is SpecMethod.DRAFT:
+        check_draft_context(draft, ctx)  # before any weights load
     runners: dict[str, object] = {}
     if cfg.method is SpecMethod.MTP:
         runners["mtp"] = MTPRunner(target, mtp, cfg.device, max_context=ctx)

@@ -2,7 +2,9 @@
 model and its pool fit in the memory there is.
 
 A block holds ``block_size`` tokens of keys and values for every layer:
-``2 x layers x num_key_value_heads x head_dim x block_size x bytes per value``.
+``2 x layers x num_key_value_heads x head_dim x block_size x bytes per value``. With a draft model
+the budget pays for two pools of ``num_kv_blocks`` (the draft's runner has as many blocks as the
+target's, one allocator serving both) and for both models' weights.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import EngineConfig, parse_memory
+from ..config import EngineConfig, SpecMethod, parse_memory, resolve_dirs
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -33,12 +35,15 @@ def available_memory(device: str) -> int:
 
 
 def weights_bytes(model_dir: str | Path, dtype: str) -> int:
-    """What the checkpoint's weights take once converted to ``dtype`` (from its safetensors headers)."""
+    """What the checkpoint's weights take once converted to ``dtype`` (from the safetensors headers of
+    the files a load reads: others beside them, as mistralai's ``consolidated.safetensors``, are not)."""
     import json
     import struct
 
+    from ..models.checkpoint import checkpoint_files
+
     total = 0
-    for path in Path(model_dir).glob("*.safetensors"):
+    for path in checkpoint_files(Path(model_dir)):
         with open(path, "rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
         for name, t in header.items():
@@ -50,27 +55,47 @@ def weights_bytes(model_dir: str | Path, dtype: str) -> int:
     return total
 
 
+def _pooled_models(cfg: EngineConfig, model, model_dir: str | Path) -> list[tuple[object, str]]:
+    """(``LlamaConfig``, checkpoint directory) of each model with a pool of ``num_kv_blocks``: the
+    target, and a draft model (``build_local_executor`` and a draft stage size its pool so)."""
+    models = [(model, str(model_dir))]
+    if cfg.method is SpecMethod.DRAFT:
+        from ..models.hf_config import LlamaConfig
+
+        draft_dir = resolve_dirs(dataclasses.replace(cfg, model_dir=str(model_dir)))[2]
+        models.append((LlamaConfig.from_dir(draft_dir), draft_dir))
+    return models
+
+
+def _budget_bytes(cfg: EngineConfig, weights: int, allow_fraction: bool) -> int:
+    """``kv_cache_memory`` in bytes: as given, or its fraction of what the weights leave free."""
+    budget, fraction = parse_memory(cfg.kv_cache_memory)
+    if fraction is None:
+        return budget
+    if not allow_fraction:
+        raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r}: a fraction of free memory is resolved by "
+                         "lightspec serve or in process; a model repository takes bytes (e.g. 2GiB), so that every "
+                         "stage sizes the same pool")
+    return int(fraction * max(available_memory(cfg.device) - weights, 0))
+
+
 def with_kv_budget(cfg: EngineConfig, model, model_dir: str | Path, *, allow_fraction: bool = True,
                    check_fit: bool = True) -> EngineConfig:
     """``cfg`` with ``num_kv_blocks`` from ``kv_cache_memory`` (bytes, or a fraction of the memory
     available after the weights), sized for the target ``model`` (a ``LlamaConfig``) in
-    ``model_dir``: the draft model's pool has the same blocks, since one allocator serves both.
-    ``check_fit``: a ``ValueError`` naming the parameter when the weights and the pool need more than
-    the memory available (where they live: in process, or the target stage). ``allow_fraction``: a
-    Triton model passes False, since every process of a server must size the same pool and free
+    ``model_dir`` and, with ``speculation: draft``, the draft model's pool of as many blocks.
+    ``check_fit``: a ``ValueError`` naming the parameter when the weights and the pools need more
+    than the memory available (where they live: in process, or the target stage). ``allow_fraction``:
+    a Triton model passes False, since every process of a server must size the same pool and free
     memory measured in each one does not give that."""
-    per_block = block_bytes(cfg, model)
-    weights = weights_bytes(model_dir, cfg.dtype) if check_fit or cfg.kv_cache_memory else 0
+    models = _pooled_models(cfg, model, model_dir)
+    per_block = sum(block_bytes(cfg, m) for m, _ in models)
+    need_weights = check_fit or cfg.kv_cache_memory
+    weights = sum(weights_bytes(d, cfg.dtype) for _, d in models) if need_weights else 0
     name, value = "num_kv_blocks", cfg.num_kv_blocks
     if cfg.kv_cache_memory:
         name, value = "kv_cache_memory", cfg.kv_cache_memory
-        budget, fraction = parse_memory(cfg.kv_cache_memory)
-        if fraction is not None:
-            if not allow_fraction:
-                raise ValueError(f"kv_cache_memory={value!r}: a fraction of free memory is resolved by lightspec "
-                                 "serve or in process; a model repository takes bytes (e.g. 2GiB), so that every "
-                                 "stage sizes the same pool")
-            budget = int(fraction * max(available_memory(cfg.device) - weights, 0))
+        budget = _budget_bytes(cfg, weights, allow_fraction)
         if budget < per_block:
             raise ValueError(f"kv_cache_memory={value!r}: {budget} bytes hold no KV block "
                              f"({per_block} bytes of {cfg.block_size} tokens)")
@@ -78,7 +103,8 @@ def with_kv_budget(cfg: EngineConfig, model, model_dir: str | Path, *, allow_fra
     if check_fit:
         free = available_memory(cfg.device)
         if weights + cfg.num_kv_blocks * per_block > free:
-            raise ValueError(f"{name}={value!r}: the model ({weights / 2**30:.2f} GiB) and a KV pool of "
+            what = "the model and its draft model" if len(models) > 1 else "the model"
+            raise ValueError(f"{name}={value!r}: {what} ({weights / 2**30:.2f} GiB) and a KV pool of "
                              f"{cfg.num_kv_blocks} blocks ({cfg.num_kv_blocks * per_block / 2**30:.2f} GiB) need "
                              f"more than the {free / 2**30:.2f} GiB available")
     return cfg

@@ -12,7 +12,8 @@ Two exact ways to stream text, chosen by the tokenizer's decoder:
   character (U+FFFD), as vLLM's incremental detokeniser does.
 
 Special tokens (the tokenizer's added tokens marked special: BOS, EOS, end-of-turn, padding) are
-never part of the text.
+never part of the text, nor are ids past the tokenizer's: a checkpoint may have more embedding
+rows than its tokenizer has tokens (Qwen2 pads 151665 to 152064), and ``tokenizers`` skips them.
 """
 
 from __future__ import annotations
@@ -89,9 +90,13 @@ class TokenizerInfo:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def bytes_of(self, token_id: int) -> bytes:
+        """A byte-level token's bytes: none for a special id or one past the tokenizer's."""
+        return self.token_bytes[token_id] if token_id < len(self.token_bytes) else b""
+
     def decode(self, ids: list[int]) -> str:
         if self.token_bytes is not None:
-            return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+            return b"".join(self.bytes_of(i) for i in ids).decode("utf-8", errors="replace")
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
@@ -109,7 +114,7 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         if self._info.token_bytes is not None:
-            return self._dec.decode(self._info.token_bytes[token_id])
+            return self._dec.decode(self._info.bytes_of(token_id))
         self._ids.append(token_id)
         return self._emit(final=False)
 

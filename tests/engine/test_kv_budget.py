@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+import torch
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from lightspec_core.config import parse_memory
 from lightspec_core.engine import kv_budget
+from lightspec_core.models.checkpoint import read_weights
 from lightspec_core.models.llama import LlamaConfig
+from tests.models.factories import CASES, save_hf_checkpoint
 
 
 @pytest.mark.parametrize(("text", "want"), [("2GiB", (2**31, None)), ("512MB", (512 * 10**6, None)),
@@ -50,3 +55,34 @@ def test_budgets_that_cannot_work_fail_naming_the_parameter(smoke_model, monkeyp
     fraction = kv_budget.with_kv_budget(EngineConfig(kv_cache_memory="0.9"), model, target, check_fit=False)
     weights = kv_budget.weights_bytes(target, "float32")
     assert fraction.num_kv_blocks == int(0.9 * ((1 << 20) - weights)) // kv_budget.block_bytes(fraction, model)
+
+
+@pytest.mark.parametrize("case", ["llama-llama3", "qwen3"])  # shards with an index; one file
+def test_the_weights_are_the_files_the_checkpoint_loads_and_no_others(tmp_path, case):
+    model_type, overrides, how = CASES[case]
+    path = save_hf_checkpoint(tmp_path / case, model_type, overrides, **how)
+    loaded = sum(t.numel() for t in read_weights(path, torch.float32).values())
+    # mistralai repositories ship the weights once more, in their own layout, beside the HF files
+    shutil.copy(next(path.glob("model*.safetensors")), path / "consolidated.safetensors")
+    assert kv_budget.weights_bytes(path, "float32") == 4 * loaded
+    assert kv_budget.weights_bytes(path, "bfloat16") == 2 * loaded
+
+
+def test_a_draft_models_pool_and_weights_come_out_of_the_budget(tmp_path, monkeypatch):
+    """The draft model's runner has a pool of as many blocks as the target's, of its own geometry."""
+    target = save_hf_checkpoint(tmp_path / "target", "llama", {})
+    draft = save_hf_checkpoint(tmp_path / "draft", "llama", {"num_hidden_layers": 1, "num_key_value_heads": 1,
+                                                             "hidden_size": 32, "num_attention_heads": 2})
+    model, draft_model = LlamaConfig.from_dir(target), LlamaConfig.from_dir(draft)
+    monkeypatch.setattr(kv_budget, "available_memory", lambda device: 64 << 20)
+    alone = EngineConfig(model_dir=str(target), kv_cache_memory="0.5", speculation="none")
+    both = EngineConfig(model_dir=str(target), draft_dir=str(draft), kv_cache_memory="0.5", speculation="draft")
+    w_target, w_draft = kv_budget.weights_bytes(target, "float32"), kv_budget.weights_bytes(draft, "float32")
+    b_target, b_draft = kv_budget.block_bytes(alone, model), kv_budget.block_bytes(both, draft_model)
+    assert kv_budget.with_kv_budget(alone, model, target).num_kv_blocks == int(0.5 * ((64 << 20) - w_target)) // b_target
+    with_draft = kv_budget.with_kv_budget(both, model, target).num_kv_blocks
+    assert with_draft == int(0.5 * ((64 << 20) - w_target - w_draft)) // (b_target + b_draft)
+    assert 0 < with_draft < kv_budget.with_kv_budget(alone, model, target).num_kv_blocks
+    bytes_budget = EngineConfig(draft_dir=str(draft), kv_cache_memory=str(10 * (b_target + b_draft)),
+                                speculation="draft")
+    assert kv_budget.with_kv_budget(bytes_budget, model, target, check_fit=False).num_kv_blocks == 10

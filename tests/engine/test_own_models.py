@@ -3,6 +3,7 @@ lossless on them (n-gram drafts against plain greedy decoding), and their EOS id
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -91,3 +92,43 @@ def test_a_draft_model_with_another_vocabulary_is_refused_naming_draft_dir(tmp_p
     eng = LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(same), speculation="draft", policy="static:2",
                                  num_kv_blocks=32, block_size=8))
     eng.close()
+
+
+def test_a_sampled_id_past_the_tokenizer_adds_no_text_and_the_step_goes_on(tmp_path, default_model):
+    """Qwen2 pads its 151665 tokens to 152064 embedding rows. Here the head scores only two padding
+    rows, ``w`` and ``-w``, so greedy decoding picks one of them at every step."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_hf_checkpoint(tmp_path / "padded", "llama", {"vocab_size": 4160})  # the tokenizer: 4096 ids
+    shutil.copy(default_model / "target" / "tokenizer.json", path / "tokenizer.json")
+    state = load_file(path / "model.safetensors")
+    head = state["lm_head.weight"]
+    w = head[4100].clone()
+    head.zero_()
+    head[4100], head[4101] = w, -w
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    eng = LLMEngine(EngineConfig(model_dir=str(path), speculation="none", num_kv_blocks=32, block_size=8))
+    try:
+        out = eng.generate(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    finally:
+        eng.close()
+    assert out.error is None and out.finish_reason == "length"
+    assert set(out.output_token_ids) <= {4100, 4101} and len(out.output_token_ids) == 6 and out.text == ""
+
+
+def test_a_draft_model_shorter_than_the_served_context_is_refused_naming_draft_dir(tmp_path, default_model):
+    target = own_model(tmp_path, default_model, "llama-linear")  # 64 positions
+    model_type, overrides, how = CASES["llama-linear"]
+    draft = save_hf_checkpoint(tmp_path / "draft", model_type, {**overrides, "vocab_size": 4096,
+                                                                "max_position_embeddings": 32}, **how)
+    shutil.copy(default_model / "target" / "tokenizer.json", draft / "tokenizer.json")
+    cfg = EngineConfig(model_dir=str(target), draft_dir=str(draft), speculation="draft", policy="static:2",
+                       num_kv_blocks=32, block_size=8)
+    with pytest.raises(ValueError, match=r"draft_dir=.*max_position_embeddings=32 .* 64 tokens .* max_model_len"):
+        LLMEngine(cfg)
+    eng = LLMEngine(dataclasses.replace(cfg, max_model_len=32))  # served within the draft's positions
+    try:
+        out = eng.generate(PROMPTS[0], SamplingParams(max_tokens=13, ignore_eos=True))[0]  # to position 31
+    finally:
+        eng.close()
+    assert out.error is None and out.finish_reason == "length"

@@ -71,3 +71,14 @@ def test_tokenizer_config_gives_the_chat_template_and_special_tokens(tmp_path):
     info = TokenizerInfo.from_dir(tmp_path)
     assert info.chat_template == template and b_id in info.special_ids
     assert TokenizerInfo(tok).chat_template is None
+
+
+def test_ids_past_the_tokenizer_decode_to_nothing_in_both_ways(default_model):
+    """A checkpoint may have more embedding rows than its tokenizer has tokens (Qwen2: 152064 over
+    151665); a sampled padding id adds no text, as the tokenizer's own decode skips it."""
+    for info in (TokenizerInfo.from_dir(default_model / "target"), TokenizerInfo(sentencepiece_style())):
+        n = info.tokenizer.get_vocab_size()
+        ids = info.encode("ab a é")
+        out = [*ids, n, n + 63, *ids]
+        assert info.decode(out) == info.tokenizer.decode(out, skip_special_tokens=True) == info.decode(ids + ids)
+        assert "".join(stream(info, [n + 1], out)) == info.decode(ids + ids)
