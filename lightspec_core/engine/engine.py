@@ -306,12 +306,13 @@ class LLMEngine:
         eos = self._eos
         for t in tokens:
             seq.token_ids.append(t)
-            seq.text += seq.detok.push(t)
+            new_text = seq.detok.push(t)
+            seq.text += new_text
             self.stats.counters["generation_tokens_total"] += 1
             may_end = seq.num_output > sp.min_tokens  # this token is output number min_tokens + 1 or later
             if may_end and (t == sp.end_id or (not sp.ignore_eos and t in eos)):
                 return self._finish(seq, "stop")
-            if sp.stop and seq.num_output >= sp.min_tokens and truncate_at_stop(seq):
+            if sp.stop and seq.num_output >= sp.min_tokens and truncate_at_stop(seq, len(new_text)):
                 return self._finish(seq, "stop", flush=False)
             if seq.num_output >= sp.max_tokens:
                 return self._finish(seq, "length")

@@ -6,12 +6,14 @@ from .outputs import RequestDelta
 from .sequence import Sequence
 
 
-def truncate_at_stop(seq: Sequence) -> bool:
-    """Cut the text before the first stop string that appeared; True if one did. Only the tail a
-    new token can have completed is searched."""
-    window = max(len(s) for s in seq.params.stop) + 8
-    tail_start = max(0, len(seq.text) - window)
-    hits = [i for s in seq.params.stop if (i := seq.text.find(s, tail_start)) >= 0]
+def truncate_at_stop(seq: Sequence, new_chars: int) -> bool:
+    """Cut the text before the first stop string that its last ``new_chars`` characters completed;
+    True if one did. Only a match ending in them counts, as in vLLM: an earlier one was searched for
+    when it appeared, or appeared before ``min_tokens`` let a stop string end the request. (A window
+    of fixed size instead misses a match followed by more new text than it holds: this tokenizer's
+    indentation tokens carry up to 49 characters.)"""
+    start = len(seq.text) - new_chars
+    hits = [i for s in seq.params.stop if (i := seq.text.find(s, max(0, start - len(s) + 1))) >= 0]
     if not hits:
         return False
     seq.text = seq.text[: min(hits)]

@@ -217,6 +217,23 @@ def test_stop_string_truncates_inside_an_accepted_block(default_model):
     assert stop not in o.text
 
 
+@pytest.mark.parametrize("speculation", ["none", "ngram"])
+def test_a_stop_string_inside_a_long_token_ends_the_request_there(default_model, speculation):
+    """The embedded tokenizer's indentation tokens hold a newline and up to 48 spaces."""
+    prompt = "class Foo:\n    def bar(self, x):\n        for i in range(x):\n            if i:"
+    eng = LLMEngine(EngineConfig(model_dir=str(default_model / "target"), speculation=speculation))
+    try:
+        free = eng.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True))[0]
+        pieces = [eng.tok.decode([t]) for t in free.output_token_ids]
+        k = next(i for i, p in enumerate(pieces) if "\n" in p)
+        assert len(pieces[k]) - pieces[k].index("\n") > 9, "no long token after the newline: proves nothing"
+        out = eng.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop=["\n"]))[0]
+    finally:
+        eng.close()
+    assert out.finish_reason == "stop" and out.text == free.text[: free.text.index("\n")]
+    assert out.output_token_ids == free.output_token_ids[: k + 1]
+
+
 def test_end_id_stops_generation(smoke_model):
     free, _ = run(smoke_model, ["def f(x):"], SamplingParams(max_tokens=20, ignore_eos=True), speculation="none")
     ids = free[0].output_token_ids

@@ -78,6 +78,18 @@ def test_stop_strings_do_not_match_before_min_tokens(default_model):
     assert len(late.output_token_ids) >= 20 and late.output_token_ids[:20] == free.output_token_ids[:20]
 
 
+def test_a_stop_string_completed_before_min_tokens_never_ends_the_request(default_model):
+    eng = LLMEngine(EngineConfig(model_dir=str(default_model / "target"), speculation="none"))
+    try:
+        free = eng.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        stop = eng.tok.decode(free.output_token_ids[:2])  # completed by the second token
+        assert stop and free.text.count(stop) == 1, "the stop string recurs: the check proves nothing"
+        out = eng.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=3))[0]
+    finally:
+        eng.close()
+    assert out.finish_reason == "length" and out.output_token_ids == free.output_token_ids
+
+
 def test_sampled_requests_never_end_before_min_tokens(default_model):
     eng = LLMEngine(EngineConfig(model_dir=str(default_model / "target"), speculation="mtp", policy="static:3"))
     try:

@@ -32,8 +32,21 @@ def test_the_held_back_tail_is_the_longest_prefix_of_a_stop_string():
 
 def test_a_stop_string_cuts_the_text_before_it():
     seq = seq_with("x = 1\nprint(x)\n", ["print", "zzz"])
-    assert truncate_at_stop(seq) and seq.text == "x = 1\n"
-    assert not truncate_at_stop(seq_with("x = 1\n", ["print"]))
+    assert truncate_at_stop(seq, len("print(x)\n")) and seq.text == "x = 1\n"
+    assert not truncate_at_stop(seq_with("x = 1\n", ["print"]), 6)
+
+
+def test_a_stop_string_counts_when_the_new_text_completes_it_however_much_follows():
+    seq = seq_with("def f():\n" + " " * 48, ["\n"])  # one token: a newline and 48 spaces of indentation
+    assert truncate_at_stop(seq, 49) and seq.text == "def f():"
+    seq = seq_with("x = pri" + "nt(x)" + " " * 40, ["print"])  # completed by the new text, which begins with "nt"
+    assert truncate_at_stop(seq, 45) and seq.text == "x = "
+
+
+def test_a_stop_string_already_in_the_text_before_the_new_characters_does_not_count():
+    """It was searched for when it appeared, or appeared before min_tokens let it end the request."""
+    assert not truncate_at_stop(seq_with(" # The path", [" # The"]), len(" path"))
+    assert not truncate_at_stop(seq_with("abc", ["b"]), 0)
 
 
 def test_a_request_s_stop_strings_are_bounded():
