@@ -160,6 +160,11 @@ class EngineProcess:
     def num_unfinished(self) -> int:
         return len(self._unfinished)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the child still runs (False once it is found gone, or has exited unread)."""
+        return self._dead is None and self._proc.poll() is None
+
     def waits_for_child(self) -> bool:
         """Whether :meth:`step` would wait for the child (False: it answers from what it knows)."""
         return self._dead is None and not self._failed and self._step_error is None
@@ -179,15 +184,15 @@ class EngineProcess:
             on_launched()
         if self._step_error is not None:
             message, self._step_error = self._step_error, None
-            raise RuntimeError(message)
+            self._fail_step(message)
         deltas = self._receive() if self._unfinished and not self._failed else []
-        deltas += [_error_delta(rid, message) for rid, message in self._failed]
+        deltas += [error_delta(rid, message) for rid, message in self._failed]
         self._failed.clear()
         for d in deltas:
             if d.finished:
                 self._unfinished.discard(d.request_id)
         if self._dead is not None:  # what the child held and did not finish
-            deltas += [_error_delta(rid, self._dead) for rid in sorted(self._unfinished)]
+            deltas += [error_delta(rid, self._dead) for rid in sorted(self._unfinished)]
             self._unfinished.clear()
         return deltas
 
@@ -225,7 +230,7 @@ class EngineProcess:
                     if payload[1] is not None:
                         self.stats.update(*payload[1])
                 elif kind == "failed":
-                    deltas.append(_error_delta(*payload))
+                    deltas.append(error_delta(*payload))
                 elif kind == "step_error":
                     log.error("engine process step failed: %s", payload[1])
                     self._step_error = payload[0]
@@ -235,8 +240,18 @@ class EngineProcess:
             self._died()
         if self._step_error is not None and not deltas:
             message, self._step_error = self._step_error, None
-            raise RuntimeError(message)
+            self._fail_step(message)
         return deltas
+
+    def _fail_step(self, message: str) -> None:
+        """Raise the child's step failure, which fails every request in flight (the caller answers
+        them): the child aborts what it still holds and none is waited for any more. A request
+        aborted just before the failed step has no final coming (the step built it, then raised),
+        and waiting for it would block every later step."""
+        for rid in sorted(self._unfinished):
+            self._send(("abort", rid))
+        self._unfinished.clear()
+        raise RuntimeError(message)
 
     def _died(self) -> None:
         """The child is gone: what it held and every later request end with an error delta (see
@@ -262,7 +277,7 @@ def _exit_message(code: int | None) -> str:
     return f"the engine process is unavailable: it exited (code {code})"
 
 
-def _error_delta(request_id: str, message: str) -> RequestDelta:
+def error_delta(request_id: str, message: str) -> RequestDelta:
     return RequestDelta(request_id, [], "", finished=True, finish_reason="error", error=message)
 
 

@@ -10,7 +10,8 @@ thread each wait for nothing but their own work; the requests are split between 
 docs/benchmarks.md has the measurements.
 
 Requests go to the shard with the fewest in flight (the first on a tie, so that a lone request
-always finds the same shard and its prefix cache). Threads follow the load: a shard alone at work
+always finds the same shard and its prefix cache), among those whose child runs. A shard's failed
+step fails its own requests only. Threads follow the load: a shard alone at work
 gets every thread the engine was configured with, and the busy shards share them otherwise (the
 ``threads`` message of the engine process). Statistics are the shards' summed (ratios averaged).
 """
@@ -18,12 +19,15 @@ gets every thread the engine was configured with, and the busy shards share them
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from ..config import EngineConfig, SamplingParams
 from .outputs import RequestDelta
-from .process import EngineProcess
+from .process import EngineProcess, error_delta
+
+log = logging.getLogger("lightspec")
 
 MEAN_KEYS = ("kv_cache_usage_ratio", "kv_cache_fragmentation_ratio")  # ratios: averaged, not summed
 
@@ -107,7 +111,9 @@ class EngineShards:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         if request_id in self._shard_of:
             raise ValueError(f"request_id={request_id!r}: already in use")
-        shard = min(self.shards, key=lambda s: s.num_unfinished())
+        # a shard whose child is gone fails at once whatever it is given, so it always looks the
+        # least busy: it gets a request only when no shard is alive (to answer it with its error)
+        shard = min(self.shards, key=lambda s: (not s.alive, s.num_unfinished()))
         shard.add_request(request_id, prompt, params)  # a refused prompt raises here, naming the field
         self._shard_of[request_id] = shard
         self._share_threads()
@@ -138,12 +144,21 @@ class EngineShards:
         deltas: list[RequestDelta] = []
         for shard in busy:
             if shard in now or shard._conn in ready:
-                deltas += shard.step()
+                deltas += self._step_shard(shard)
         for d in deltas:
             if d.finished:
                 self._shard_of.pop(d.request_id, None)
         self._share_threads()
         return deltas
+
+    def _step_shard(self, shard: EngineProcess) -> list[RequestDelta]:
+        """A shard's deltas. A failed step fails that shard's requests (as error deltas; the shard
+        forgot them), not the other shards', whose deltas of this call would be lost with a raise."""
+        try:
+            return shard.step()
+        except Exception as e:  # noqa: BLE001 - answered as the requests' errors
+            log.error("engine process %d: step failed: %s", shard.pid, e)
+            return [error_delta(rid, f"engine step failed: {e}") for rid, s in self._shard_of.items() if s is shard]
 
     def close(self, timeout_s: float = 10.0) -> None:
         for shard in self.shards:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -28,6 +29,21 @@ def drive(engine, requests: dict[str, tuple[str, SamplingParams]], abort: str | 
         steps += 1
         if steps == 1 and abort is not None:
             engine.abort(abort)
+    return out
+
+
+def steps_until_done(engine, timeout_s: float = 60.0) -> list:
+    """Every delta until the engine has nothing unfinished; fails the test if it never gets there."""
+    out: list = []
+
+    def run():
+        while engine.has_unfinished():
+            out.extend(engine.step())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"still waiting for {sorted(engine._unfinished)} after {timeout_s} s"
     return out
 
 
@@ -75,6 +91,27 @@ def test_an_aborted_request_ends_cancelled_and_the_others_finish(child):
     got = drive(engine, {"keep": (PROMPTS[0], params), "drop": (PROMPTS[1], params)}, abort="drop")
     assert got["drop"][1][-1].finish_reason == "cancelled" and len(got["drop"][0]) < 64
     assert got["keep"][1][-1].finish_reason == "length" and len(got["keep"][0]) == 64
+
+
+def test_a_failed_step_forgets_every_request_even_one_aborted_just_before(smoke_model, failing_children):
+    """The step that fails has taken an abort and built its final; the failure loses it. The
+    caller fails and aborts what is in flight: none of it may be waited for after that."""
+    engine = EngineProcess(EngineConfig(model_dir=str(smoke_model / "target"), speculation="none"))
+    try:
+        engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True))
+        engine.step()
+        engine.abort("x")
+        engine.add_request("fail", PROMPTS[1], SamplingParams(max_tokens=4))
+        with pytest.raises(RuntimeError, match="the target stage failed"):
+            while True:
+                engine.step()
+        for rid in ("x", "fail"):  # as the orchestrator does after a failed step
+            engine.abort(rid)
+        engine.add_request("after", PROMPTS[2], SamplingParams(max_tokens=4))
+        finals = {d.request_id: d for d in steps_until_done(engine) if d.finished}
+        assert finals["after"].finish_reason == "length"
+    finally:
+        engine.close()
 
 
 def test_a_child_that_dies_fails_its_requests_and_every_later_one(smoke_model):

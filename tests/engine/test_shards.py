@@ -3,11 +3,14 @@ threads between them, and report their statistics as one."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
 from lightspec_core.engine.shards import EngineShards, merge_snapshots
-from tests.engine.test_process import PROMPTS, drive
+from tests.engine.test_process import PROMPTS, drive, steps_until_done
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +96,32 @@ def test_merged_statistics_sum_counts_average_ratios_and_recompute_the_acceptanc
     assert m["spec_decode_num_accepted_tokens_per_pos_total"] == [5, 3]
     assert m["kv_cache_usage_ratio"] == pytest.approx(0.4)
     assert m["mean_acceptance_length"] == pytest.approx(1 + 7 / 5)
+
+
+def test_a_shard_whose_step_fails_fails_its_own_requests_and_the_other_shard_serves(smoke_model, failing_children):
+    engine = EngineShards(EngineConfig(model_dir=str(smoke_model / "target"), speculation="none"), 2, threads=2)
+    try:
+        engine.add_request("ok", PROMPTS[0], SamplingParams(max_tokens=48, ignore_eos=True))
+        engine.add_request("fail", PROMPTS[1], SamplingParams(max_tokens=4))  # the other shard: fewer in flight
+        assert engine._shard_of["ok"] is not engine._shard_of["fail"]
+        finals = {d.request_id: d for d in steps_until_done(engine) if d.finished}
+        assert finals["fail"].finish_reason == "error" and "the target stage failed" in finals["fail"].error
+        assert finals["ok"].finish_reason == "length" and finals["ok"].error is None
+        engine.add_request("after", PROMPTS[2], SamplingParams(max_tokens=4))
+        assert [d.finish_reason for d in steps_until_done(engine) if d.finished] == ["length"]
+    finally:
+        engine.close()
+
+
+def test_requests_go_to_a_live_shard_when_the_other_one_died(smoke_model):
+    engine = EngineShards(EngineConfig(model_dir=str(smoke_model / "target"), speculation="none"), 2, threads=2)
+    try:
+        dead = engine.shards[0]
+        os.kill(dead.pid, signal.SIGKILL)
+        dead._proc.wait(10)
+        for i in range(3):
+            engine.add_request(f"r{i}", PROMPTS[i], SamplingParams(max_tokens=4))
+        finals = [d for d in steps_until_done(engine) if d.finished]
+        assert sorted(d.finish_reason for d in finals) == ["length"] * 3, [d.error for d in finals]
+    finally:
+        engine.close()
