@@ -25,40 +25,14 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
 from .bls import is_unavailable
 from .control import ControlDir, Drain
 from .inputs import name_prompt_error, parse_request, request_parameters, requested_outputs
 from .metrics import MetricsReporter
-from .responses import RequestState, ResponseThreads, build_response
+from .responses import Entry, ErrorReply, RequestState, ResponseThreads, build_response
 
 _STOP = object()
-
-
-@dataclass
-class _Error:
-    code: str  # name of a pb_utils.TritonError code: INVALID_ARG, INTERNAL, UNAVAILABLE, CANCELLED
-    message: str
-
-
-@dataclass
-class _Entry:
-    state: RequestState
-    sender: object  # pb_utils InferenceResponseSender
-    request: object  # pb_utils InferenceRequest, for is_cancelled()
-    abort_queued: bool = False
-    cancel_message: str = ""  # set when the drain deadline cancels it: its final is CANCELLED
-    shutting_down: bool = False
-    closed: bool = False  # FINAL sent (or attempted); set by its response thread only
-    shard: int = 0  # which response thread sends its responses (one: they keep their order)
-    # Serialises is_cancelled() with send(): in Triton 2.51, is_cancelled() on a sender whose FINAL
-    # response went out (or is going out) reads a freed response factory and crashes the server.
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def id(self) -> str:
-        return self.state.request_id
 
 
 def take_turns(items: list, turn: int, n: int) -> tuple[list, int]:
@@ -93,12 +67,12 @@ class Orchestrator:
         model_config = getattr(engine, "model_config", None)
         self.vocab_size = getattr(model_config, "vocab_size", None)
         self._ids = itertools.count()
-        self._live: dict[str, _Entry] = {}
+        self._live: dict[str, Entry] = {}
         self._live_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
         self._metrics_q: queue.Queue = queue.Queue()
         self._in_engine: set[str] = set()  # engine loop only
-        self._held: list[tuple[_Entry, object]] = []  # engine loop only: the last step's responses
+        self._held: list[tuple[Entry, object]] = []  # engine loop only: the last step's responses
         self._last_publish = 0.0
         self._stopping = threading.Event()
         self.drain = Drain(control)
@@ -127,13 +101,13 @@ class Orchestrator:
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        entry = _Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request, shard=n)
+        entry = Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request, shard=n)
         try:
             parsed = parse_request(get, self.max_model_len, self.vocab_size, request_parameters(request))
         except ValueError as e:
             self.engine.stats.count_rejected()
             self._register(entry)
-            self._post((entry, _Error("INVALID_ARG", str(e))))
+            self._post((entry, ErrorReply("INVALID_ARG", str(e))))
             self._inbox.put(("rejected", None))  # the engine loop publishes the failure count
             return
         entry.state.request = parsed
@@ -142,15 +116,15 @@ class Orchestrator:
                 parsed.prompt if isinstance(parsed.prompt, str) else self.engine.tokenizer.decode(parsed.prompt)
             )
         if self._stopping.is_set():  # the response thread may be gone: answer here
-            self._send(entry, _Error("UNAVAILABLE", "the model is shutting down"))
+            self._send(entry, ErrorReply("UNAVAILABLE", "the model is shutting down"))
             return
         if self.drain.draining:
-            self._send(entry, _Error("UNAVAILABLE", "the server is shutting down: not admitting new requests"))
+            self._send(entry, ErrorReply("UNAVAILABLE", "the server is shutting down: not admitting new requests"))
             return
         self._register(entry)
         self._inbox.put(("add", entry))
 
-    def _register(self, entry: _Entry) -> None:
+    def _register(self, entry: Entry) -> None:
         with self._live_lock:
             self._live[entry.id] = entry
 
@@ -193,15 +167,15 @@ class Orchestrator:
             pass
         return cmds
 
-    def _add(self, entry: _Entry) -> None:
+    def _add(self, entry: Entry) -> None:
         if entry.abort_queued:  # cancelled while queued: never reaches the engine
-            self._post((entry, _Error("CANCELLED", "request cancelled")))
+            self._post((entry, ErrorReply("CANCELLED", "request cancelled")))
             return
         req = entry.state.request
         try:
             self.engine.add_request(entry.id, req.prompt, req.params)
         except ValueError as e:  # prompt too long, max_tokens beyond the context, ... (the engine counts it)
-            self._post((entry, _Error("INVALID_ARG", name_prompt_error(req, e))))
+            self._post((entry, ErrorReply("INVALID_ARG", name_prompt_error(req, e))))
             return
         self._in_engine.add(entry.id)
 
@@ -254,7 +228,7 @@ class Orchestrator:
         with self._live_lock:
             entry = self._live.get(rid)
         if entry is not None:
-            self._post((entry, _Error(code, message)))
+            self._post((entry, ErrorReply(code, message)))
 
     def _drain_engine(self, max_steps: int = 1000) -> None:
         """Shutdown: abort everything in the engine, flush the resulting finals, fail the queue."""
@@ -271,7 +245,7 @@ class Orchestrator:
         self._release_held()
         for cmd in self._take_commands(block=False):
             if cmd is not _STOP and cmd[0] == "add":
-                self._post((cmd[1], _Error("UNAVAILABLE", "the model is shutting down")))
+                self._post((cmd[1], ErrorReply("UNAVAILABLE", "the model is shutting down")))
         self._maybe_publish(force=True)
 
     def _maybe_publish(self, force: bool) -> None:
@@ -296,29 +270,39 @@ class Orchestrator:
                 return
             try:
                 final = self._send(entry, payload)
-            except Exception:  # noqa: BLE001 - a broken client connection must not stop other responses
+            except Exception as e:  # noqa: BLE001 - a broken client connection must not stop other responses
                 self.log.log_error(f"[lightspec] sending a response failed: {traceback.format_exc()}")
+                self._close_after_failed_send(entry, payload, e)
                 final = True
             entry.closed = final
         if final:
             with self._live_lock:
                 self._live.pop(entry.id, None)
 
-    def _send(self, entry: _Entry, payload) -> bool:
+    def _close_after_failed_send(self, entry: Entry, payload, error: Exception) -> None:
+        """The request is closed now: it still gets a FINAL if the sender takes one, and an engine
+        still generating for it stops (nothing would read its tokens, nor watch for its cancel)."""
+        with contextlib.suppress(Exception):
+            self._send(entry, ErrorReply("INTERNAL", f"sending a response failed: {error}"))
+        if not isinstance(payload, ErrorReply) and not payload.finished and not entry.abort_queued:
+            entry.abort_queued = True
+            self._inbox.put(("abort", entry.id))
+
+    def _send(self, entry: Entry, payload) -> bool:
         pb = self.pb
         final_flag = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if isinstance(payload, _Error):
+        if isinstance(payload, ErrorReply):
             err = pb.TritonError(payload.message, getattr(pb.TritonError, payload.code))
             entry.sender.send(pb.InferenceResponse(output_tensors=[], error=err), flags=final_flag)
             return True
         delta = payload
         if delta.finished and delta.finish_reason == "error":
             code = "UNAVAILABLE" if is_unavailable(delta.error or "") else "INTERNAL"
-            return self._send(entry, _Error(code, delta.error or "generation failed"))
+            return self._send(entry, ErrorReply(code, delta.error or "generation failed"))
         if delta.finished and entry.cancel_message:
-            return self._send(entry, _Error("CANCELLED", entry.cancel_message))
+            return self._send(entry, ErrorReply("CANCELLED", entry.cancel_message))
         if delta.finished and entry.shutting_down:
-            return self._send(entry, _Error("UNAVAILABLE", "the model was unloaded before the request finished"))
+            return self._send(entry, ErrorReply("UNAVAILABLE", "the model was unloaded before the request finished"))
         tensors = build_response(entry.state, delta)
         if tensors is None:
             return False
@@ -351,7 +335,7 @@ class Orchestrator:
             self._inbox.put(("abort", entry.id))
 
     @staticmethod
-    def _is_cancelled(entry: _Entry) -> bool:
+    def _is_cancelled(entry: Entry) -> bool:
         with entry.lock:
             if entry.closed:
                 return False
@@ -392,7 +376,7 @@ class Orchestrator:
         with self._live_lock:
             leftovers = [e for e in self._live.values() if not e.closed]
         for entry in leftovers:  # queued but never added, or the engine thread is stuck
-            self._post((entry, _Error("UNAVAILABLE", "the model is shutting down")))
+            self._post((entry, ErrorReply("UNAVAILABLE", "the model is shutting down")))
         self._responses.stop(timeout_s)
         self._metrics_q.put(None)
         for t in others:

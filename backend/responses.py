@@ -48,6 +48,35 @@ class RequestState:
             self.ids.extend(delta.new_token_ids)
 
 
+@dataclass
+class ErrorReply:
+    """A request's FINAL error response."""
+
+    code: str  # name of a pb_utils.TritonError code: INVALID_ARG, INTERNAL, UNAVAILABLE, CANCELLED
+    message: str
+
+
+@dataclass
+class Entry:
+    """One request as the orchestrator's threads share it: its state, its sender and how far it got."""
+
+    state: RequestState
+    sender: object  # pb_utils InferenceResponseSender
+    request: object  # pb_utils InferenceRequest, for is_cancelled()
+    abort_queued: bool = False
+    cancel_message: str = ""  # set when the drain deadline cancels it: its final is CANCELLED
+    shutting_down: bool = False
+    closed: bool = False  # FINAL sent (or attempted); set by its response thread only
+    shard: int = 0  # which response thread sends its responses (one: they keep their order)
+    # Serialises is_cancelled() with send(): in Triton 2.51, is_cancelled() on a sender whose FINAL
+    # response went out (or is going out) reads a freed response factory and crashes the server.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.state.request_id
+
+
 def build_response(state: RequestState, delta: RequestDelta) -> dict[str, np.ndarray] | None:
     """Output tensors for this delta, or ``None`` when nothing should be sent yet."""
     state.absorb(delta)

@@ -15,7 +15,7 @@ from lightspec_backend.metrics import MetricsReporter
 from lightspec_backend.orchestrator import Orchestrator, take_turns
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from tests.fakes import FakePbUtils, FakeRequest
+from tests.fakes import FakePbUtils, FakeRequest, FakeSender
 
 
 def request(**tensors) -> FakeRequest:
@@ -144,6 +144,33 @@ def test_an_end_id_beyond_the_vocabulary_is_refused_and_its_batch_mates_finish(s
     err = bad.sender.final.error()
     assert err.code() == pb.TritonError.INVALID_ARG and err.message().startswith("end_id=")
     assert not any(r.sender.final.has_error() for r in good)
+
+
+class BrokenSender(FakeSender):
+    """A client connection that breaks at the second response."""
+
+    def send(self, response=None, flags: int = 0) -> None:
+        if len(self.sent) == 1 and not flags & 1:
+            self.sent.append((None, 0))  # a slot, so the next send succeeds
+            raise RuntimeError("the connection is gone")
+        super().send(response, flags)
+
+
+def test_a_failed_send_ends_the_request_with_a_final_error_and_stops_its_generation(served, engine):
+    orch, pb = served
+    r = request(text_input="def f(x):", max_tokens=900, ignore_eos=True, stream=True)
+    r.sender = BrokenSender()
+    orch.submit(r)
+    assert r.sender.wait_final(30)
+    err = r.sender.final.error()
+    assert err.code() == pb.TritonError.INTERNAL and "sending a response failed" in err.message()
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats.snapshot()["request_success_total"]["abort"] == 1  # aborted, not run to 900 tokens
+    after = request(text_input="def g():", max_tokens=4)
+    orch.submit(after)
+    assert after.sender.wait_final(30) and not after.sender.final.has_error()
 
 
 def test_take_turns_covers_every_request_within_its_share_of_polls():
