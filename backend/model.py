@@ -204,6 +204,7 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     from lightspec_backend.stage import StageModel
 
     from lightspec_core.config import resolve_dirs
+    from lightspec_core.engine.build import check_draft_context
     from lightspec_core.engine.kv_budget import with_kv_budget
     from lightspec_core.models.llama import LlamaConfig
     from lightspec_core.stages.memory import keep_freed_memory
@@ -234,6 +235,7 @@ def _stage(args: dict, config) -> _StageModelAdapter:
         runner = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, device, heads=heads, dtype=cfg.dtype,
                              max_context=ctx)
     else:
+        check_draft_context(draft, ctx)  # refused here, naming draft_dir, not at its first long request
         runner = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, device, dtype=cfg.dtype, max_context=ctx)
     stage = StageModel(config.role, runner, pb_utils, threads=threads, set_threads=torch.set_num_threads)
     if cfg.speculative and cfg.policy_kind == "dynamic" and cfg.profile_stages:

@@ -89,9 +89,10 @@ STAGE_IO = {
 PROFILE_PARAMS = ("speculation", "policy", "max_draft_tokens", "max_num_seqs", "max_num_batched_tokens", "mtp",
                   "profile_stages", "max_model_len", "num_kv_blocks", "block_size", "kv_cache_memory")
 STAGE_PARAMS = {
-    Role.TARGET: ("model_dir", "mtp_dir", "device", "num_threads", "dtype", *PROFILE_PARAMS),
+    # every stage sizes the KV pool, which with ``speculation: draft`` includes the draft model's
+    Role.TARGET: ("model_dir", "mtp_dir", "draft_dir", "device", "num_threads", "dtype", *PROFILE_PARAMS),
     Role.DRAFT: ("model_dir", "draft_dir", "device", "num_threads", "dtype", *PROFILE_PARAMS),
-    Role.MTP: ("model_dir", "mtp_dir", "device", "num_threads", *PROFILE_PARAMS),
+    Role.MTP: ("model_dir", "mtp_dir", "draft_dir", "device", "num_threads", *PROFILE_PARAMS),
 }
 ORCHESTRATOR_PARAMS = (
     "speculation", "policy", "max_draft_tokens", "num_kv_blocks", "block_size", "max_num_seqs",

@@ -90,6 +90,13 @@ def test_overrides_reach_the_stages_that_use_them(tmp_path):
     assert orch.stage_models["target"] == "big" and orch.engine.num_kv_blocks == 48
 
 
+def test_every_stage_knows_the_draft_model_whose_pool_the_kv_budget_includes(tmp_path):
+    overrides = {"model_dir": "/ckpt/target", "draft_dir": "/ckpt/small", "speculation": "draft", "stages": "triton"}
+    repo = write_model_repository(tmp_path, overrides)
+    for name in ("lightspec_target", "lightspec_draft"):
+        assert read_config_parameters(repo / name / "config.pbtxt")["draft_dir"] == "/ckpt/small", name
+
+
 def test_parameter_values_are_quoted(tmp_path):
     repo = write_model_repository(tmp_path, {"model_dir": 'we"ird\\path'})
     assert read_config_parameters(repo / "lightspec" / "config.pbtxt")["model_dir"] == 'we"ird\\path'
