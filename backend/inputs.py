@@ -38,6 +38,7 @@ class GenerateRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     prompt_name: str = "text_input"  # the input that carried the prompt, for error messages
+    add_special_tokens: bool = True  # encode a text prompt with the tokenizer's BOS
 
 
 def _check_dtype(name: str, arr: np.ndarray) -> np.ndarray:
@@ -217,6 +218,7 @@ def parse_request(
         return_num_input_tokens=_flag(get, "return_num_input_tokens"),
         return_num_output_tokens=_flag(get, "return_num_output_tokens"),
         prompt_name="text_input" if isinstance(prompt, str) else "input_ids",
+        add_special_tokens=_flag(get, "add_special_tokens", default=True),
     )
 
 

@@ -45,6 +45,10 @@ INPUTS = [
     TensorSpec("text_input", "STRING", (1,), doc="prompt, UTF-8 (give this or `input_ids`)"),
     TensorSpec("input_ids", "INT64", (-1,), doc="prompt as token ids (give this or `text_input`)"),
     TensorSpec(
+        "add_special_tokens", "BOOL", (1,), doc="default true: `text_input` gets the tokenizer's BOS, as in "
+        "transformers and vLLM; false for a rendered chat template, which holds it already",
+    ),
+    TensorSpec(
         "max_tokens", "INT32", (1,), doc="tokens to generate, default 64; prompt + max_tokens must fit the context"
     ),
     TensorSpec(

@@ -86,8 +86,12 @@ def sampling_tensors(req: CompletionRequest | ChatCompletionRequest) -> dict[str
 
 
 def request_tensors(prompt: str | list[int], req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
-    """Every tensor of the Triton request for ``prompt`` (text, or token ids)."""
-    tensors: dict[str, object] = {"text_input": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+    """Every tensor of the Triton request for ``prompt`` (text, or token ids; a text prompt carries
+    the request's ``add_special_tokens``, which token ids ignore)."""
+    if isinstance(prompt, str):
+        tensors: dict[str, object] = {"text_input": prompt, "add_special_tokens": req.add_special_tokens}
+    else:
+        tensors = {"input_ids": prompt}
     _check_ranges(tensors, renamed_fields(req))
     tensors |= sampling_tensors(req)
     tensors |= {

@@ -5,7 +5,9 @@ by name. Fields LightSpec honours are used; fields that change nothing at their 
 (``frequency_penalty=0``, ``user``, ``metadata``) are ignored; a field set to a value LightSpec
 cannot honour (``n=2``, ``logprobs``, tools) is refused with a 400 naming it, and so is a field the
 API does not define. A few extensions that vLLM's server also takes (``top_k``, ``ignore_eos``,
-``stream_interval``) and LightSpec's own ``num_draft_tokens`` and ``priority`` are accepted too.
+``stream_interval``, ``add_special_tokens``) and LightSpec's own ``num_draft_tokens`` and
+``priority`` are accepted too. ``add_special_tokens`` has vLLM's defaults: true for a completion's
+text prompt (the tokenizer's BOS is added), false for chat (the rendered template holds it).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class CompletionRequest(_Common):
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's extension and default
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -157,10 +160,11 @@ class ChatCompletionRequest(_Common):
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # vLLM's extensions for the template
+    # vLLM's extensions for the template, and for tokenizing the rendered prompt
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # the template writes bos_token itself
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

@@ -101,14 +101,15 @@ class LLMEngine:
         return self._profile_pending
 
     # ---- public API ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    add_special_tokens: bool = True) -> None:
         """Queue a request. A ``ValueError`` (prompt problems name the field ``prompt``) refuses it
-        and counts it as a failed request."""
+        and counts it as a failed request. ``add_special_tokens``: see :func:`.sequence.checked_prompt`."""
         params = params or SamplingParams()
         if request_id in self.seqs:
             raise ValueError(f"request_id={request_id!r}: already in use")
         try:
-            ids = self._checked_prompt(prompt, params)
+            ids = self._checked_prompt(prompt, params, add_special_tokens)
         except ValueError:
             self.stats.count_rejected()
             raise
@@ -118,8 +119,10 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.stats.counters["prompt_tokens_total"] += len(ids)
 
-    def _checked_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        return checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params)
+    def _checked_prompt(self, prompt: str | list[int], params: SamplingParams,
+                        add_special_tokens: bool = True) -> list[int]:
+        return checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params,
+                              add_special_tokens)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; the next ``step()`` returns its final ``cancelled`` delta."""

@@ -135,12 +135,14 @@ class EngineProcess:
         return payload
 
     # ---- LLMEngine's serving surface ------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    add_special_tokens: bool = True) -> None:
         params = params or SamplingParams()
         if request_id in self._unfinished:
             raise ValueError(f"request_id={request_id!r}: already in use")
-        try:
-            ids = checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params)
+        try:  # the child gets token ids: the text is encoded here, once
+            ids = checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params,
+                                 add_special_tokens)
         except ValueError:
             self.stats.count_rejected()
             raise

@@ -17,12 +17,14 @@ from ..models.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
 
 def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: str | list[int],
-                   params: SamplingParams) -> list[int]:
+                   params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
     """The prompt's token ids, or a ``ValueError`` naming ``prompt``, ``max_tokens`` or ``end_id``
-    (checked here, not at its first use inside a batched step, which would fail the whole batch)."""
+    (checked here, not at its first use inside a batched step, which would fail the whole batch).
+    A text prompt is encoded with the tokenizer's special tokens (BOS) unless ``add_special_tokens``
+    is false (a rendered chat template holds them already); token ids are taken as they are."""
     if params.end_id is not None and not 0 <= params.end_id < vocab:
         raise ValueError(f"end_id={params.end_id}: must be a token id in [0, {vocab})")
-    ids = tok.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    ids = tok.encode(prompt, add_special_tokens) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise ValueError("prompt: empty prompt")
     if any(t < 0 or t >= vocab for t in ids):

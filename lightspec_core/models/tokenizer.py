@@ -87,8 +87,11 @@ class TokenizerInfo:
                     info.token_bytes[i] = b""
         return info
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s ids. ``add_special_tokens`` runs tokenizer.json's post-processor, which puts
+        Llama's and Mistral's BOS before a prompt, as transformers' ``tokenizer(text)`` and vLLM do;
+        a rendered chat template already holds its BOS, and pieces of text take none: pass False."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def bytes_of(self, token_id: int) -> bytes:
         """A byte-level token's bytes: none for a special id or one past the tokenizer's."""

@@ -233,6 +233,15 @@ def test_empty_word_lists_mean_none_as_in_tensorrt_llm():
     assert r.params.stop == []
 
 
+def test_add_special_tokens_defaults_to_true_and_is_read_from_its_tensor():
+    assert parse_request(getter(text_input="x")).add_special_tokens is True
+    assert parse_request(getter(text_input="x", add_special_tokens=False)).add_special_tokens is False
+    assert parse_request(getter(text_input="x", add_special_tokens=True)).add_special_tokens is True
+    assert parse_request(batched(text_input="x", add_special_tokens=False)).add_special_tokens is False
+    with pytest.raises(ValueError, match=r"^add_special_tokens: expected datatype BOOL"):
+        parse_request(getter(text_input="x", add_special_tokens=np.array([0], np.int32)))
+
+
 def test_stream_as_a_request_parameter():
     assert parse_request(getter(text_input="x"), parameters={"stream": "true"}).stream
     assert not parse_request(getter(text_input="x"), parameters={"stream": False}).stream

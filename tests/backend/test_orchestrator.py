@@ -65,6 +65,24 @@ def test_stream_equals_non_stream_equals_engine(served, smoke_model):
     assert stream.sender.data()[-1]["finish_reason"][0] == b"length"
 
 
+def test_add_special_tokens_reaches_the_engine(served, engine, monkeypatch):
+    orch, _ = served
+    seen = {}
+    add = engine.add_request
+
+    def recording(request_id, prompt, params, **kwargs):
+        seen[prompt] = kwargs
+        add(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    bos, bare = request(text_input="def a():", max_tokens=2), request(text_input="def b():", max_tokens=2,
+                                                                        add_special_tokens=False)
+    for r in (bos, bare):
+        orch.submit(r)
+        assert r.sender.wait_final()
+    assert seen == {"def a():": {"add_special_tokens": True}, "def b():": {"add_special_tokens": False}}
+
+
 def test_response_threads_share_the_requests_and_keep_each_ones_order(engine, smoke_model):
     orch = Orchestrator(engine, FakePbUtils(), response_threads=3, cancel_poll_s=0.01)
     prompts = [f"def g{i}(x):" for i in range(12)]

@@ -75,17 +75,16 @@ def chat_client(chat_api) -> openai.OpenAI:
     return openai.OpenAI(base_url=chat_api.url, api_key="unused", max_retries=0, timeout=120)
 
 
-def reference(server, prompt: str, max_tokens: int) -> tuple[str, int]:
+def reference(server, prompt: str, max_tokens: int, add_special_tokens: bool = True) -> tuple[str, int]:
     """Greedy text and token count straight from Triton's gRPC stream."""
-    results, err = grpc_generate(
-        server.grpc_url, text_input=prompt, max_tokens=max_tokens, exclude_input_in_output=True
-    )
+    results, err = grpc_generate(server.grpc_url, text_input=prompt, max_tokens=max_tokens,
+                                 exclude_input_in_output=True, add_special_tokens=add_special_tokens)  # fmt: skip
     assert err is None, err
     return texts(results)[0], len(results[0].as_numpy("output_ids"))
 
 
-def prompt_tokens(prompt: str, model_dir: Path) -> int:
-    return len(TokenizerInfo.from_dir(model_dir).encode(prompt))
+def prompt_tokens(prompt: str, model_dir: Path, add_special_tokens: bool = True) -> int:
+    return len(TokenizerInfo.from_dir(model_dir).encode(prompt, add_special_tokens))
 
 
 def check_spec_metrics(body: dict) -> None:
@@ -177,11 +176,11 @@ def test_chat_renders_the_template_and_equals_triton_on_the_rendered_prompt(chat
     rendered = AutoTokenizer.from_pretrained(chat_dir).apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
-    want, _ = reference(server, rendered, 20)
+    want, _ = reference(server, rendered, 20, add_special_tokens=False)  # the template wrote bos_token
     r = chat_client.chat.completions.create(model="lightspec", messages=messages, max_completion_tokens=20,
                                             temperature=0)  # fmt: skip
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
-    assert r.usage.prompt_tokens == prompt_tokens(rendered, chat_dir) and r.usage.completion_tokens == 20
+    assert r.usage.prompt_tokens == prompt_tokens(rendered, chat_dir, False) and r.usage.completion_tokens == 20
     stream = chat_client.chat.completions.create(model="lightspec", messages=messages, max_tokens=20, temperature=0,
                                                  stream=True, stream_options={"include_usage": True})  # fmt: skip
     chunks = list(stream)

@@ -218,6 +218,11 @@ def test_http_generate_returns_one_response(server, reference):
     assert status == 200, body
     out = json.loads(body)
     assert out["text_output"] == greedy(reference, PROMPT, 12) and out["finish_reason"] == "length"
+    # a body key that names an input is that input: the embedded tokenizer adds no BOS either way
+    bare = {"text_input": PROMPT, "max_tokens": 12, "add_special_tokens": False, "return_num_input_tokens": True}
+    status, body = http_post(server, "/v2/models/lightspec/generate", bare)
+    assert status == 200, body
+    assert json.loads(body)["num_input_tokens"] == len(reference.tokenizer.encode(PROMPT).ids)
 
 
 def test_http_generate_stream_sends_server_sent_events(server, reference):

@@ -133,7 +133,7 @@ def test_prefix_cache_skips_shared_prefill_and_keeps_outputs_exact(exactness_set
         assert hits >= sum((len(eng.tok.encode(p)) - 1) // 8 * 8 for p in prompts)
         assert cold.stats.counters["prefix_cache_hits_total"] == 0
         # a chat's next turn: the last answer's blocks are cached too, not only the prompt's
-        turn = [*eng.tok.encode(shared), *first[7].output_token_ids, *eng.tok.encode(" next")]
+        turn = [*eng.tok.encode(shared), *first[7].output_token_ids, *eng.tok.encode(" next", add_special_tokens=False)]
         [out] = eng.generate([turn], params)
         assert eng.stats.counters["prefix_cache_hits_total"] - hits > len(eng.tok.encode(shared)) + 32
         assert out.output_token_ids == cold.generate([turn], params)[0].output_token_ids

@@ -1,14 +1,19 @@
 """Checkpoints of other families, made by transformers, run through the engine: speculation stays
-lossless on them (n-gram drafts against plain greedy decoding), and their EOS ids all stop."""
+lossless on them (n-gram drafts against plain greedy decoding), their EOS ids all stop, and a text
+prompt gets the BOS their tokenizer adds, as transformers encodes it."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
+from tokenizers import Tokenizer, processors
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
+from lightspec_core.engine.shards import EngineShards
+from tests.engine.test_process import steps_until_done
 from tests.models.factories import CASES, save_hf_checkpoint
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "for i in range(10):\n    for j in range(i):\n"]
@@ -132,3 +137,54 @@ def test_a_draft_model_shorter_than_the_served_context_is_refused_naming_draft_d
     finally:
         eng.close()
     assert out.error is None and out.finish_reason == "length"
+
+
+def bos_model(tmp_path, default_model):
+    """A Llama checkpoint whose tokenizer.json puts BOS before a text through its post-processor,
+    as Llama 3's and Mistral's do (the embedded tokenizer has no post-processor)."""
+    path = own_model(tmp_path, default_model, "llama-linear")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos = ("<s>", tok.token_to_id("<s>"))
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[bos]),
+    ])  # fmt: skip
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    return path
+
+
+def test_a_text_prompt_is_encoded_with_the_bos_as_transformers_encodes_it(tmp_path, default_model):
+    from transformers import AutoTokenizer
+
+    path = bos_model(tmp_path, default_model)
+    hf = AutoTokenizer.from_pretrained(path)
+    want, bare = hf(PROMPTS[0]).input_ids, hf(PROMPTS[0], add_special_tokens=False).input_ids
+    assert want == [hf.bos_token_id, *bare]  # the checkpoint is what it should be
+    params = SamplingParams(max_tokens=2)
+    eng = LLMEngine(EngineConfig(model_dir=str(path), speculation="none", num_kv_blocks=32, block_size=8))
+    try:
+        assert eng.generate(PROMPTS[0], params)[0].prompt_token_ids == want
+        eng.add_request("bare", PROMPTS[0], params, add_special_tokens=False)
+        eng.add_request("ids", bare, params, add_special_tokens=True)  # token ids are taken as they are
+        assert eng.seqs["bare"].token_ids == eng.seqs["ids"].token_ids == bare
+    finally:
+        eng.close()
+
+
+def test_engine_processes_encode_the_prompt_as_the_engine_does(tmp_path, default_model):
+    """The parent process encodes the text (its child gets token ids), through EngineShards too."""
+    from transformers import AutoTokenizer
+
+    path = bos_model(tmp_path, default_model)
+    bare = AutoTokenizer.from_pretrained(path)(PROMPTS[0], add_special_tokens=False).input_ids
+    engine = EngineShards(EngineConfig(model_dir=str(path), speculation="none", num_kv_blocks=32, block_size=8), 1,
+                          threads=1)  # fmt: skip
+    try:
+        engine.add_request("bos", PROMPTS[0], SamplingParams(max_tokens=2))
+        engine.add_request("bare", PROMPTS[0], SamplingParams(max_tokens=2), add_special_tokens=False)
+        steps_until_done(engine)
+        assert engine.stats.snapshot()["prompt_tokens_total"] == (len(bare) + 1) + len(bare)
+    finally:
+        engine.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
 from lightspec_core.models.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
@@ -82,3 +82,14 @@ def test_ids_past_the_tokenizer_decode_to_nothing_in_both_ways(default_model):
         out = [*ids, n, n + 63, *ids]
         assert info.decode(out) == info.tokenizer.decode(out, skip_special_tokens=True) == info.decode(ids + ids)
         assert "".join(stream(info, [n + 1], out)) == info.decode(ids + ids)
+
+
+def test_encode_adds_the_bos_of_the_post_processor_as_transformers_does_unless_told_not_to():
+    """Llama 2's and Mistral's tokenizer.json put ``<s>`` before a text through a post-processor."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = sentencepiece_style()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    info, hf = TokenizerInfo(tok), PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>")
+    assert info.encode("ab a") == hf("ab a").input_ids == [1, *info.encode("ab a", add_special_tokens=False)]
+    assert info.encode("ab a", add_special_tokens=False) == hf("ab a", add_special_tokens=False).input_ids

@@ -102,6 +102,21 @@ def test_chat_template_kwargs_are_template_variables_and_request_fields_a_400(en
     assert err["param"] == "chat_template_kwargs.add_generation_prompt"
 
 
+def test_the_prompt_reaches_triton_with_add_special_tokens_true_for_completions_false_for_chat(
+    engine_refusing_length,
+):
+    client, sent = engine_refusing_length, engine_refusing_length.sent
+    chat = {"model": "lightspec", "messages": [{"role": "user", "content": "x"}]}
+    for body, path, want in [
+        ({"model": "lightspec", "prompt": "x"}, "/v1/completions", True),
+        ({"model": "lightspec", "prompt": "x", "add_special_tokens": False}, "/v1/completions", False),
+        (chat, "/v1/chat/completions", False),
+        ({**chat, "add_special_tokens": True}, "/v1/chat/completions", True),
+    ]:
+        client.post(path, json=body)
+        assert sent[-1]["add_special_tokens"] is want, (path, body)
+
+
 def test_a_port_in_use_fails_start_naming_the_port_and_the_way_out():
     import socket
 

@@ -23,7 +23,7 @@ def test_completion_maps_every_sampling_field_to_its_tensor():
                      ignore_eos=True, num_draft_tokens=2, stream_interval=5)  # fmt: skip
     t = request_tensors(req.single_prompt(), req)
     assert t == {
-        "text_input": "def f():", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+        "text_input": "def f():", "add_special_tokens": True, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
         "stop_words": ["\n\n", "END"], "stream": True, "top_k": 4, "ignore_eos": True, "num_draft_tokens": 2,
         "stream_interval": 5,
         "exclude_input_in_output": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
@@ -43,6 +43,18 @@ def test_a_single_stop_string_and_token_id_prompts():
     assert completion(prompt=["only one"]).single_prompt() == "only one"
     with pytest.raises(OpenAIError, match="^prompt: only one prompt"):
         completion(prompt=["a", "b"]).single_prompt()
+
+
+def test_a_completion_adds_special_tokens_and_chat_does_not_unless_the_request_says_otherwise():
+    """vLLM's defaults: the tokenizer's BOS before a completion's text prompt, none after a chat
+    template (which writes bos_token itself); the extension field overrides either."""
+    assert request_tensors("p", completion())["add_special_tokens"] is True
+    assert request_tensors("p", completion(add_special_tokens=False))["add_special_tokens"] is False
+    assert request_tensors("p", chat())["add_special_tokens"] is False
+    assert request_tensors("p", chat(add_special_tokens=True))["add_special_tokens"] is True
+    assert "add_special_tokens" not in request_tensors([5, 6], completion(prompt=[5, 6]))  # ids: nothing to add
+    with pytest.raises(ValidationError):
+        completion(add_special_tokens="maybe")
 
 
 def test_chat_max_completion_tokens_wins_and_conflicting_lengths_are_refused():
