@@ -208,9 +208,10 @@ class Orchestrator:
         code = "UNAVAILABLE" if is_unavailable(str(error)) else "INTERNAL"
         for rid in list(self._in_engine):
             self._finish_with_error(rid, code, f"engine step failed: {error}")
-            # the engine may be unable to abort after a failure, which is logged above already
+            # the engine may be unable to abort after a failure, which is logged above already;
+            # aborted with the error, the request counts as failed, not as cancelled by its client
             with contextlib.suppress(Exception):
-                self.engine.abort(rid)
+                self.engine.abort(rid, f"engine step failed: {error}")
         self._in_engine.clear()
         time.sleep(0.05)  # do not spin if every step keeps failing
 

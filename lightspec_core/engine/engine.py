@@ -87,7 +87,7 @@ class LLMEngine:
         self.proposer = make_proposer(cfg, self.executor, min(k, policy.k) if isinstance(policy, StaticPolicy) else k)
         self.seqs: dict[str, Sequence] = {}
         self._inflight: deque[InFlight] = deque()
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, str | None]] = []
         self._target_free_at = 0.0
         self._last_step = 0.0
         self._stage_seconds = 0.0  # stage time inside the current step, for the overhead estimate
@@ -124,9 +124,11 @@ class LLMEngine:
         return checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params,
                               add_special_tokens)
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request; the next ``step()`` returns its final ``cancelled`` delta."""
-        self._aborts.append(request_id)
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Cancel a request; the next ``step()`` returns its final ``cancelled`` delta. With ``error``,
+        the request failed elsewhere (a server's failed step): it ends with ``error`` and counts as a
+        failure, not as a cancellation."""
+        self._aborts.append((request_id, error))
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or bool(self._inflight)
@@ -252,7 +254,7 @@ class LLMEngine:
             if seq.aborted or seq.status is not Status.RUNNING:
                 # aborted: ends now; finished: done; preempted while in flight: recomputed later
                 if seq.aborted and seq.status is not Status.FINISHED:
-                    deltas.append(self._finish(seq, "cancelled"))
+                    deltas.append(self._finish_aborted(seq))
                 continue
             # the K/V of the tokens this step fed is final (accepted drafts join next step): to the prefix cache
             self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed + it.num_new)
@@ -359,17 +361,20 @@ class LLMEngine:
     def _process_aborts(self) -> list[RequestDelta]:
         deltas = []
         busy = {it.seq.request_id for f in self._inflight for it in f.plan.items}
-        for rid in self._aborts:
+        for rid, error in self._aborts:
             seq = self.seqs.get(rid)
             if seq is None:
                 continue
-            seq.aborted = True
+            seq.aborted, seq.abort_error = True, error
             if rid not in busy:  # in-flight ones finish when their micro-batch returns
-                d = self._finish(seq, "cancelled")
+                d = self._finish_aborted(seq)
                 if d:
                     deltas.append(d)
         self._aborts.clear()
         return deltas
+
+    def _finish_aborted(self, seq: Sequence) -> RequestDelta | None:
+        return self._finish(seq, "error", seq.abort_error) if seq.abort_error else self._finish(seq, "cancelled")
 
     def _update_gauges(self) -> None:
         g = self.stats.gauges

@@ -152,9 +152,9 @@ class EngineProcess:
         else:
             self._send(("add", request_id, ids, params))  # if the child is gone, the next step fails it
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, error: str | None = None) -> None:
         if request_id in self._unfinished:
-            self._send(("abort", request_id))
+            self._send(("abort", request_id, error))
 
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
@@ -251,7 +251,7 @@ class EngineProcess:
         aborted just before the failed step has no final coming (the step built it, then raised),
         and waiting for it would block every later step."""
         for rid in sorted(self._unfinished):
-            self._send(("abort", rid))
+            self._send(("abort", rid, f"engine step failed: {message}"))
         self._unfinished.clear()
         raise RuntimeError(message)
 
@@ -328,7 +328,7 @@ def _child_loop(conn, engine, stats_interval_s: float) -> None:
                 except Exception as e:  # noqa: BLE001 - the parent checked the prompt; answer, keep serving
                     conn.send(("failed", message[1], f"the engine refused the request: {e}"))
             else:
-                engine.abort(message[1])
+                engine.abort(message[1], message[2])
             busy = engine.has_unfinished()
         try:
             deltas = engine.step()

@@ -61,6 +61,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.aborted = False
+        self.abort_error: str | None = None  # aborted as a failure (see LLMEngine.abort)
         # speculation state
         self.last_hidden: np.ndarray | None = None  # target hidden at the last verified position
         self.draft_computed = 0  # tokens whose K/V the draft model holds

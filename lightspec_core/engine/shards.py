@@ -120,10 +120,10 @@ class EngineShards:
         self._shard_of[request_id] = shard
         self._share_threads()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, error: str | None = None) -> None:
         shard = self._shard_of.get(request_id)
         if shard is not None:
-            shard.abort(request_id)
+            shard.abort(request_id, error)
 
     def has_unfinished(self) -> bool:
         return bool(self._shard_of)

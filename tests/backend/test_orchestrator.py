@@ -264,6 +264,8 @@ def test_step_failure_fails_in_flight_requests_and_keeps_serving(served, engine,
     second = request(text_input="b = 2", max_tokens=3)
     orch.submit(second)
     assert second.sender.wait_final(30) and not second.sender.final.has_error()
+    stats = engine.stats.snapshot()  # the failed request is a failure, not a client's cancellation
+    assert stats["request_failure_total"] == 1 and stats["request_success_total"]["abort"] == 0
 
 
 def test_shutdown_answers_in_flight_requests(engine):

@@ -314,6 +314,21 @@ def test_a_max_model_len_below_one_is_refused_naming_it():
             EngineConfig(max_model_len=bad)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_abort_with_an_error_ends_the_request_failed_and_counts_it_as_a_failure(smoke_model, depth):
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", pipeline_depth=depth))
+    for rid in ("failed", "cancelled", "kept"):
+        eng.add_request(rid, "def f(x):", SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()
+    eng.abort("failed", "engine step failed: boom")
+    eng.abort("cancelled")
+    finals = {d.request_id: d for _ in range(200) for d in eng.step() if d.finished}
+    assert (finals["failed"].finish_reason, finals["failed"].error) == ("error", "engine step failed: boom")
+    assert finals["cancelled"].finish_reason == "cancelled" and finals["kept"].finish_reason == "length"
+    stats = eng.stats.snapshot()
+    assert stats["request_failure_total"] == 1 and stats["request_success_total"]["abort"] == 1
+
+
 def test_higher_priority_is_admitted_first(smoke_model):
     eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), max_num_seqs=1))
     eng.add_request("low", "a = 1", SamplingParams(max_tokens=3, priority=0))

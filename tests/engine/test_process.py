@@ -110,6 +110,8 @@ def test_a_failed_step_forgets_every_request_even_one_aborted_just_before(smoke_
         engine.add_request("after", PROMPTS[2], SamplingParams(max_tokens=4))
         finals = {d.request_id: d for d in steps_until_done(engine) if d.finished}
         assert finals["after"].finish_reason == "length"
+        stats = engine.stats.snapshot()  # "x" was cancelled by its client; "fail" failed
+        assert stats["request_failure_total"] == 1 and stats["request_success_total"]["abort"] == 1
     finally:
         engine.close()
 
