@@ -64,8 +64,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise _bad("max_tokens", self.max_tokens, "must be a positive integer")
-        if not (self.temperature >= 0.0):  # also rejects NaN
-            raise _bad("temperature", self.temperature, "must be >= 0")
+        if not (0.0 <= self.temperature < float("inf")):  # also rejects NaN
+            raise _bad("temperature", self.temperature, "must be a finite number >= 0")
         if not (0.0 < self.top_p <= 1.0):
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.top_k <= INT32_MAX:  # the stages carry top_k as int32

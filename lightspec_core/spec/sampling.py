@@ -22,7 +22,9 @@ def probs_from_logits(
     v = logits.shape[1]
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
-    scaled = logits / t
+    # shifted first, so that a tiny temperature cannot overflow a logit to inf (softmax would then
+    # take inf - inf): the largest becomes 0 and the others -inf, greedy's limit
+    scaled = (logits - logits.amax(-1, keepdim=True)) / t
     off = (top_k <= 0) | (top_k >= v)
     if not bool(off.all()):
         k = torch.where(off, torch.ones_like(top_k), top_k)
@@ -31,14 +33,16 @@ def probs_from_logits(
         kth = torch.where(off.unsqueeze(1), torch.full_like(kth, float("-inf")), kth)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if bool((top_p < 1).any()):
+    nucleus = top_p < 1
+    if bool(nucleus.any()):
         sp, idx = probs.sort(dim=-1, descending=True)
         cum = sp.cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (the token crossing the line is kept)
-        drop = (cum - sp) >= top_p.unsqueeze(1)
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(1, idx, sp)
-        probs = probs / probs.sum(-1, keepdim=True)
+        sp = sp.masked_fill((cum - sp) >= top_p.unsqueeze(1), 0.0)
+        kept = torch.zeros_like(probs).scatter(1, idx, sp)
+        # only the rows that asked: a row's distribution must not depend on its batch, and in
+        # float32 a full row's running sum reaches 1 before its tail ends, which top_p=1 would cut
+        probs = torch.where(nucleus.unsqueeze(1), kept / kept.sum(-1, keepdim=True), probs)
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), onehot, probs)

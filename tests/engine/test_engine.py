@@ -276,6 +276,7 @@ def test_bad_requests_are_rejected_with_the_field_named(smoke_model):
     with pytest.raises(ValueError, match="max_tokens"):
         eng.add_request("c", "x = 1", SamplingParams(max_tokens=64))
     for field, kw in [("max_tokens", {"max_tokens": 0}), ("temperature", {"temperature": -1.0}),
+                      ("temperature", {"temperature": float("inf")}),
                       ("top_p", {"top_p": 0.0}), ("top_p", {"top_p": 1.5})]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)

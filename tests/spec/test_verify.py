@@ -67,6 +67,25 @@ def test_processed_distribution_applies_temperature_top_k_top_p():
     assert probs[3].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
+def test_a_tiny_temperature_is_greedy_s_limit_not_nan():
+    logits = torch.tensor([[10.0, 5.0, -3.0, 2.0], [1.0, 4.0, float("-inf"), 0.5]])  # -inf: an end token masked
+    for t in (1e-30, 1e-39, 1e-45):  # 1e-39 and 1e-45 are float32 denormals: logits / t overflows
+        probs = probs_from_logits(logits, torch.full((2,), t), torch.zeros(2, dtype=torch.int64), torch.ones(2))
+        assert torch.equal(probs, torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]])), (t, probs)
+
+
+def test_a_row_without_top_p_keeps_its_tail_beside_a_row_with_it():
+    """A row's distribution must not depend on its batch: in float32 a row's running sum reaches 1
+    before its long tail ends, and a top_p of 1 must keep that tail all the same."""
+    gen = torch.Generator().manual_seed(0)
+    row = torch.cat([torch.tensor([12.0, 11.0, 10.0]), torch.randn(4093, generator=gen) - 6.0])
+    logits = torch.stack([row, row])
+    alone = probs_from_logits(logits[:1], torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1))
+    beside = probs_from_logits(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.tensor([1.0, 0.9]))
+    assert torch.equal(beside[0], alone[0]) and int((alone[0] == 0).sum()) == 0
+    assert int((beside[1] == 0).sum()) > 4000  # the other row did get its nucleus
+
+
 def test_inverse_cdf_sampling_follows_probs():
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).repeat(20000, 1)
     u = torch.from_numpy(np.random.default_rng(3).random(20000).astype(np.float32))
