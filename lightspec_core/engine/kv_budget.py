@@ -55,7 +55,7 @@ def weights_bytes(model_dir: str | Path, dtype: str) -> int:
     return total
 
 
-def _pooled_models(cfg: EngineConfig, model, model_dir: str | Path) -> list[tuple[object, str]]:
+def pooled_models(cfg: EngineConfig, model, model_dir: str | Path) -> list[tuple[object, str]]:
     """(``LlamaConfig``, checkpoint directory) of each model with a pool of ``num_kv_blocks``: the
     target, and a draft model (``build_local_executor`` and a draft stage size its pool so)."""
     models = [(model, str(model_dir))]
@@ -88,7 +88,7 @@ def with_kv_budget(cfg: EngineConfig, model, model_dir: str | Path, *, allow_fra
     than the memory available (where they live: in process, or the target stage). ``allow_fraction``:
     a Triton model passes False, since every process of a server must size the same pool and free
     memory measured in each one does not give that."""
-    models = _pooled_models(cfg, model, model_dir)
+    models = pooled_models(cfg, model, model_dir)
     per_block = sum(block_bytes(cfg, m) for m, _ in models)
     need_weights = check_fit or cfg.kv_cache_memory
     weights = sum(weights_bytes(d, cfg.dtype) for _, d in models) if need_weights else 0
