@@ -87,7 +87,15 @@ def _repository(args) -> Path:
         return Path(args.model_repository)
     if not overrides and default_repository() is not None:
         return default_repository()
-    return write_model_repository(default_cache_dir() / "model_repository", overrides)
+    # one directory a run: another serve writing its own overrides must not rewrite this one, which
+    # the supervisor loads again when it restarts the server
+    (default_cache_dir() / "repositories").mkdir(parents=True, exist_ok=True)
+    return write_model_repository(Path(tempfile.mkdtemp(dir=default_cache_dir() / "repositories")), overrides)
+
+
+def _remove_generated(repo: Path) -> None:
+    if repo.parent == default_cache_dir() / "repositories":
+        shutil.rmtree(repo, ignore_errors=True)
 
 
 def validate_repository(repo: Path) -> list[str]:
@@ -191,6 +199,17 @@ def serve(args) -> int:
     (exit 2), before any server starts."""
     try:
         repo = _repository(args)
+    except ValueError as e:
+        print(f"lightspec serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _serve_repository(args, repo)
+    finally:
+        _remove_generated(repo)
+
+
+def _serve_repository(args, repo: Path) -> int:
+    try:
         for note in validate_repository(repo):
             print(note, flush=True)
     except ValueError as e:

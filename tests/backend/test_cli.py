@@ -40,7 +40,10 @@ def test_cli_generates_a_repository_for_overrides(tmp_path, monkeypatch):
     args = cli.build_parser().parse_args(["serve", "--policy", "static:2", "--set", "num_kv_blocks=8"])
     repo = cli._repository(args)
     text = (repo / "lightspec" / "config.pbtxt").read_text()
-    assert repo.parent == tmp_path and '"static:2"' in text and '"8"' in text
+    assert repo.parent == tmp_path / "repositories" and '"static:2"' in text and '"8"' in text
+    # another run's overrides go to another directory: a running server's repository stays its own
+    other = cli._repository(cli.build_parser().parse_args(["serve", "--policy", "off"]))
+    assert other != repo and '"static:2"' in (repo / "lightspec" / "config.pbtxt").read_text()
 
 
 def test_cli_validation_leaves_other_backends_models_alone(tmp_path):

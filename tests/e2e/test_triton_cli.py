@@ -148,6 +148,7 @@ def test_serve_starts_the_server_once_the_repository_validates(tmp_path):
     proc, started = run_serve(tmp_path, "--policy", "static:2")
     assert started and "Starting tritonserver" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert proc.returncode == 1
+    assert not any((tmp_path / "cache" / "repositories").iterdir())  # the run's generated repository is gone
 
 
 def test_serve_refuses_overrides_with_an_explicit_repository(tmp_path, capsys):
