@@ -224,8 +224,7 @@ def _serve_repository(args, repo: Path) -> int:
 
     # SIGINT too, explicitly: a process started with SIGINT ignored (a background job of a script)
     # keeps Python from installing its handler, and then Ctrl-C or `kill -INT` would not stop it
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     (default_cache_dir() / "control").mkdir(parents=True, exist_ok=True)
     control = Path(tempfile.mkdtemp(dir=default_cache_dir() / "control"))
     supervisor = Supervisor(server, control)
@@ -234,13 +233,24 @@ def _serve_repository(args, repo: Path) -> int:
         return _run(args, supervisor)
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C: drain; a second one stops at once
         print(f"\nStopping tritonserver (in-flight requests get {args.grace_period:g} s to finish) ...", flush=True)
-        return 0 if supervisor.shutdown(args.grace_period) in (0, None) else 1
+        try:
+            return 0 if supervisor.shutdown(args.grace_period) in (0, None) else 1
+        except KeyboardInterrupt:
+            print("Stopping tritonserver now ...", flush=True)
+            server.kill()
+            return 1
     except RuntimeError as e:
         print(str(e), file=sys.stderr)
         return 1
     finally:
+        # from here a signal kills the server instead of cutting the cleanup short (its orphaned
+        # stubs, its shared memory, the control directory)
+        for sig in previous:
+            signal.signal(sig, lambda *_: server.process is not None and server.process.kill())
         server.stop()
         shutil.rmtree(control, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def bench(args) -> int:

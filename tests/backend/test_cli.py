@@ -91,3 +91,44 @@ def test_a_kv_fraction_is_shared_by_every_pool_after_every_copy_of_the_weights(s
         weights += kv_budget.weights_bytes(str(smoke_model / "draft"), "float32")
     out = cli._resolve_kv_fraction({"model_dir": target, "kv_cache_memory": "0.5", **extra})
     assert int(out["kv_cache_memory"]) == int(0.5 * (8 * 2**30 - engines * weights) / engines)
+
+
+class _Server:
+    """What serve needs of a TritonServer, recording how it was stopped."""
+
+    def __init__(self):
+        self.process, self.calls = None, []
+        self.install = type("Install", (), {"binary": "tritonserver"})()
+
+    def kill(self):
+        self.calls.append("kill")
+
+    def stop(self):
+        self.calls.append("stop")
+
+
+def test_a_second_signal_during_the_drain_stops_the_server_at_once_and_cleans_up(monkeypatch, tmp_path):
+    import signal
+
+    from lightspec_backend import supervisor
+
+    class Supervisor:
+        def __init__(self, server, control):
+            self.server, self.control = server, control
+
+        def shutdown(self, grace_period):
+            assert self.control.is_dir()
+            raise KeyboardInterrupt  # the second SIGTERM or Ctrl-C, while in-flight requests drain
+
+    def first_signal(args, sup):
+        raise KeyboardInterrupt
+
+    server = _Server()
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cli, "_server", lambda args, repo: server)
+    monkeypatch.setattr(cli, "_run", first_signal)
+    monkeypatch.setattr(supervisor, "Supervisor", Supervisor)
+    before = signal.getsignal(signal.SIGINT)
+    assert cli.main(["serve"]) == 1
+    assert server.calls == ["kill", "stop"]  # killed, then cleaned up (stubs, shared memory)
+    assert not any((tmp_path / "control").iterdir()) and signal.getsignal(signal.SIGINT) is before
