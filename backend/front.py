@@ -20,7 +20,7 @@ import traceback
 
 import numpy as np
 
-from .conventions import parse_request_parameters
+from .conventions import load_parameters, parse_request_parameters, stream_parameter
 from .tensors import OUTPUTS
 
 OUTPUT_NAMES = [s.name for s in OUTPUTS]
@@ -35,6 +35,34 @@ def unbatch(name: str, arr: np.ndarray) -> np.ndarray:
 
 def batch(arr: np.ndarray) -> np.ndarray:
     return np.asarray(arr)[None, ...]
+
+
+def bls_parameters(params: dict | str | None) -> dict[str, bool | int | str]:
+    """Request parameters (``request.parameters()``, a JSON object) -> the ``parameters`` dict of
+    the BLS request to ``lightspec``, ``stream`` included.
+
+    They are validated here as ``lightspec`` validates them, so an error names them as the client
+    sent them. ``pb_utils.InferenceRequest`` takes bool, int and str values only (the stub raises
+    otherwise), while gRPC and HTTP clients send doubles: a float travels as its text, which
+    ``lightspec`` reads back as the number (:mod:`.conventions` accepts numbers written as strings),
+    and a whole float as an int, since an integer field refuses the text ``"8.0"``. ``None`` means
+    the default and is left out.
+    """
+    loaded = load_parameters(params)
+    parse_request_parameters(loaded)
+    stream_parameter(loaded)
+    out: dict[str, bool | int | str] = {}
+    for key, value in loaded.items():
+        if value is None:
+            continue
+        if isinstance(value, float):
+            value = int(value) if value.is_integer() and abs(value) < 2**63 else repr(value)
+        elif not isinstance(value, (bool, int, str)):
+            # Triton's gRPC and HTTP parameters are scalars; a list here has no faithful scalar form
+            msg = f"{key}={value!r}: a request parameter must be a number, a string or a boolean"
+            raise ValueError(msg)  # noqa: TRY004 - a bad request value: INVALID_ARG
+        out[key] = value
+    return out
 
 
 def is_last(outputs: dict[str, np.ndarray]) -> bool:
@@ -88,10 +116,8 @@ class BatchedFront:
         inputs = [pb.Tensor(t.name(), unbatch(t.name(), t.as_numpy())) for t in request.inputs()]
         wanted = request.requested_output_names()
         names = sorted(set(wanted) | {"finish_reason"}) if wanted else OUTPUT_NAMES
-        kwargs = {}
-        params = request.parameters() if hasattr(request, "parameters") else None
-        if params and parse_request_parameters(params):  # validated here, named as the client sent them
-            kwargs["parameters"] = params
+        params = bls_parameters(request.parameters() if hasattr(request, "parameters") else None)
+        kwargs = {"parameters": params} if params else {}
         return pb.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=names, **kwargs)
 
     def _forward(self, request, sender) -> None:

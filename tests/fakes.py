@@ -103,6 +103,19 @@ class FakeSender:
         return "".join(d["text_output"][0].decode() for d in self.data())
 
 
+def check_bls_parameters(parameters) -> None:
+    """What the python backend stub checks of ``InferenceRequest(parameters=...)`` (it raises the same)."""
+    if parameters is None:
+        return
+    if not isinstance(parameters, dict):
+        raise TypeError(f"Expect dict, got {type(parameters)}")
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TypeError(f"Expect parameters keys to have type str, found type {type(key)}")
+        if not isinstance(value, (bool, int, str)):
+            raise TypeError(f"Expect parameters values to have type bool/int/str, found type {type(value)}")
+
+
 class FakeRequest:
     def __init__(
         self, inputs: dict[str, np.ndarray], request_id: str = "", pb=None, requested_outputs: list[str] | None = None
@@ -208,6 +221,7 @@ class FakePbUtils(SimpleNamespace):
         pb = self
 
         def inference_request(model_name: str, inputs: list, requested_output_names: list, **kwargs):
+            check_bls_parameters(kwargs.get("parameters"))
             r = FakeRequest({t.name(): t.as_numpy() for t in inputs}, pb=pb, requested_outputs=requested_output_names)
             r.model_name = model_name
             return r

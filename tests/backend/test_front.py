@@ -1,10 +1,16 @@
-"""The batched front's shape handling (the forwarding itself runs in tests/e2e/test_conventions.py)."""
+"""The batched front's shape handling and the request parameters it forwards (the forwarding
+itself runs in tests/e2e/test_conventions.py)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-from lightspec_backend.front import batch, is_last, unbatch
+from lightspec_backend.conventions import parse_request_parameters, stream_parameter
+from lightspec_backend.front import BatchedFront, batch, bls_parameters, is_last, unbatch
+
+from tests.fakes import FakePbUtils, FakeTensor
 
 
 def test_unbatch_drops_a_batch_of_one_and_refuses_others_by_name():
@@ -19,3 +25,52 @@ def test_batch_adds_the_dimension_and_the_final_response_is_the_one_with_a_finis
     assert not is_last({"finish_reason": np.array([b""], dtype=object)})
     assert is_last({"finish_reason": np.array([b"length"], dtype=object)})
     assert not is_last({"text_output": np.array([b"x"], dtype=object)})
+
+
+def test_bls_parameters_hold_only_stub_types_and_lightspec_reads_them_as_sent():
+    sent = json.dumps({"temperature": 0.5, "max_tokens": 8.0, "min_p": 0.0, "seed": 3, "stop": "ss",
+                       "n": 1, "stream": True, "logprobs": None})  # fmt: skip
+    forwarded = bls_parameters(sent)
+    assert all(type(v) in (bool, int, str) for v in forwarded.values()), forwarded
+    assert forwarded["temperature"] == "0.5" and forwarded["max_tokens"] == 8 and "logprobs" not in forwarded
+    assert parse_request_parameters(forwarded) == parse_request_parameters(sent)
+    assert stream_parameter(forwarded) is True
+
+
+def test_stream_alone_is_forwarded():
+    assert bls_parameters('{"stream": true}') == {"stream": True}
+    assert bls_parameters("") == bls_parameters(None) == {}
+
+
+def test_bls_parameters_are_validated_as_lightspec_validates_them():
+    with pytest.raises(ValueError, match=r"^temprature: unknown key"):
+        bls_parameters('{"temprature": 0.5}')
+    with pytest.raises(ValueError, match=r"^stream='maybe': expected true or false"):
+        bls_parameters('{"stream": "maybe"}')
+    with pytest.raises(ValueError, match=r"^stop=\['x'\]: a request parameter must be"):
+        bls_parameters({"stop": ["x"]})
+
+
+class BatchedRequest:
+    """A request as the stub hands it to the front: ``inputs()`` and ``parameters()`` (JSON)."""
+
+    def __init__(self, parameters: str):
+        self._parameters = parameters
+
+    def inputs(self) -> list[FakeTensor]:
+        return [FakeTensor("text_input", np.array([[b"x"]], dtype=object))]
+
+    def requested_output_names(self) -> list[str]:
+        return []
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+def test_bls_request_carries_the_parameters_in_the_form_the_stub_accepts():
+    pb, seen = FakePbUtils(), {}
+    make = pb.InferenceRequest  # checks parameters as the stub does
+    pb.InferenceRequest = lambda *args, **kwargs: seen.update(kwargs) or make(*args, **kwargs)
+    bls = BatchedFront(pb, "lightspec")._bls_request(BatchedRequest('{"stream": true, "temperature": 0.5}'))
+    assert bls.model_name == "lightspec" and bls.inputs["text_input"].as_numpy().shape == (1,)
+    assert seen["parameters"] == {"stream": True, "temperature": "0.5"}
