@@ -4,7 +4,6 @@ through a real tritonserver (the nvidia-pytriton wheel's 2.51 binary) with the s
 from __future__ import annotations
 
 import json
-import queue
 import re
 import urllib.error
 import urllib.request
@@ -12,7 +11,7 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from lightspec_backend.client import grpc_inputs, input_array, is_final
+from lightspec_backend.client import grpc_inputs, input_array
 from lightspec_backend.launcher import TritonServer
 from lightspec_backend.repository import write_model_repository
 
@@ -164,34 +163,13 @@ def test_http_generate_on_the_batched_front(server, reference):
     assert json.loads(body)["text_output"] == greedy(reference, 8)
 
 
-def grpc_with_parameters(server: TritonServer, model: str, inputs: list, parameters: dict):
-    """``grpc_stream`` with request parameters: gRPC sends them typed, a float as a double."""
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    out = []
-    try:
-        client.async_stream_infer(model, inputs, parameters=parameters, enable_empty_final_response=True)
-        while True:
-            result, error = results.get(timeout=120)
-            if error is not None:
-                return out, error
-            if result.get_response().outputs:
-                out.append(result)
-            if is_final(result):
-                return out, None
-    finally:
-        client.stop_stream()
-        client.close()
-
-
 @pytest.mark.parametrize("parameters", [{"stream": True}, {"stream": True, "temperature": 0.5, "seed": 1}])
 def test_batched_front_forwards_grpc_request_parameters_as_lightspec_reads_them(server, parameters):
     # without drafts every token is one response, and a seeded sample is the same on both paths
     tensors = {"text_input": PROMPT, "max_tokens": 8, "num_draft_tokens": 0}
-    plain, err = grpc_with_parameters(server, "lightspec", grpc_inputs(**tensors), parameters)
+    plain, err = grpc_stream(server.grpc_url, "lightspec", grpc_inputs(**tensors), parameters=parameters)
     assert err is None and len(plain) == 8
-    batched, err = grpc_with_parameters(server, "lightspec_batched", batched_inputs(**tensors), parameters)
+    batched, err = grpc_stream(server.grpc_url, "lightspec_batched", batched_inputs(**tensors), parameters=parameters)
     assert err is None, err
     assert len(batched) == len(plain) and text_of(batched) == text_of(plain)
 

@@ -85,15 +85,18 @@ def grpc_generate(url: str, timeout: float = 120.0, model: str = "lightspec", ou
     return grpc_stream(url, model, grpc_inputs(**tensors), timeout, outputs)
 
 
-def grpc_stream(url: str, model: str, inputs: list, timeout: float = 120.0, outputs: list[str] | None = None):
-    """``grpc_generate`` for ready-made ``InferInput``s (any shapes)."""
+def grpc_stream(url: str, model: str, inputs: list, timeout: float = 120.0, outputs: list[str] | None = None,
+                parameters: dict | None = None):
+    """``grpc_generate`` for ready-made ``InferInput``s (any shapes); ``parameters``: the request's
+    parameters (gRPC sends them typed, a float as a double)."""
     client = grpcclient.InferenceServerClient(url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     out = []
     wanted = [grpcclient.InferRequestedOutput(n) for n in outputs] if outputs else None
     try:
-        client.async_stream_infer(model, inputs, outputs=wanted, enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, outputs=wanted, parameters=parameters,
+                                  enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:
