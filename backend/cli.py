@@ -185,8 +185,12 @@ def _run(args, supervisor) -> int:
     api = start_for_serve(args, server.grpc_url, server.model_repository)
     try:
         _print_endpoints(server, args.verbose, api.url if api else None)
-        if args.sample and _sample(args, server) != 0:
-            return 1
+        if args.sample:
+            code = _sample(args, server)
+            if code == 130:  # the client took serve's SIGTERM or Ctrl-C: drain, as at any other time
+                raise KeyboardInterrupt
+            if code != 0:
+                return 1
         supervisor.run()
     finally:
         if api is not None:

@@ -132,3 +132,33 @@ def test_a_second_signal_during_the_drain_stops_the_server_at_once_and_cleans_up
     assert cli.main(["serve"]) == 1
     assert server.calls == ["kill", "stop"]  # killed, then cleaned up (stubs, shared memory)
     assert not any((tmp_path / "control").iterdir()) and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_signal_while_the_sample_streams_drains_the_server_as_at_any_other_time(monkeypatch, tmp_path):
+    from lightspec_backend import supervisor
+
+    drained = []
+
+    class Supervisor:
+        def __init__(self, server, control):
+            self.server = server
+            server.pid, server.grpc_url, server.http_url, server.metrics_url = 1, "g", "h", "m"
+            server.log_file, server.model_repository = None, tmp_path
+
+        def start(self, timeout_s):
+            pass
+
+        def run(self):
+            raise AssertionError("serving on after the interrupted sample")
+
+        def shutdown(self, grace_period):
+            drained.append(grace_period)
+            return 0
+
+    server = _Server()
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cli, "_server", lambda args, repo: server)
+    monkeypatch.setattr(cli, "generate", lambda args: 130)  # what generate returns when interrupted
+    monkeypatch.setattr(supervisor, "Supervisor", Supervisor)
+    assert cli.main(["serve", "--sample", "def f():", "--no-openai"]) == 0
+    assert drained == [30.0] and server.calls == ["stop"]
