@@ -25,15 +25,20 @@ def served_context(cfg: EngineConfig, target_dir: str) -> int:
 
 
 def check_same_vocabulary(target: LlamaConfig, target_tok: TokenizerInfo, draft_dir: str) -> None:
-    """A draft model proposes token ids the target verifies: both must mean the same by each id."""
+    """A draft model proposes token ids the target verifies: both must mean the same by each id.
+    With the same tokenizer the draft may have fewer embedding rows than the target, never more:
+    the rows past the tokens are padding, which one family's sizes pad differently (Qwen2.5 0.5B to
+    3B: 151936, 7B and up: 152064), and a draft id must be one the target has a row for."""
     draft = LlamaConfig.from_dir(draft_dir)
-    same = target.vocab_size == draft.vocab_size
-    if same and (Path(draft_dir) / "tokenizer.json").is_file():
+    if (Path(draft_dir) / "tokenizer.json").is_file():
         draft_vocab = Tokenizer.from_file(str(Path(draft_dir) / "tokenizer.json")).get_vocab()
-        same = draft_vocab == target_tok.tokenizer.get_vocab()
+        same = draft_vocab == target_tok.tokenizer.get_vocab() and draft.vocab_size <= target.vocab_size
+    else:
+        same = draft.vocab_size == target.vocab_size
     if not same:
         raise ValueError(f"draft_dir={draft_dir!r}: the draft model's vocabulary differs from the target's "
-                         f"({draft.vocab_size} against {target.vocab_size} ids, or other tokens)")
+                         f"({draft.vocab_size} against {target.vocab_size} ids, or other tokens; with the same "
+                         "tokenizer a draft may have fewer padding rows, not more)")
 
 
 def check_draft_context(draft_dir: str, max_context: int) -> None:
@@ -71,5 +76,5 @@ def make_proposer(cfg: EngineConfig, executor: Executor, k: int) -> Proposer:
     if cfg.method is SpecMethod.MTP:
         return MTPProposer(executor, k, fused=cfg.fused_mtp, confidence_stop=cfg.confidence_floors)
     if cfg.method is SpecMethod.DRAFT:
-        return DraftModelProposer(executor)
+        return DraftModelProposer(executor, LlamaConfig.from_dir(resolve_dirs(cfg)[2]).vocab_size)
     return NgramProposer(cfg.ngram_max, cfg.ngram_min)

@@ -20,8 +20,11 @@ class DraftModelProposer(StatelessProposer):
     draft otherwise (a sampled draft is drawn here, from the logits). K/V of a draft that is later
     rejected is simply overwritten: the engine lowers ``draft_computed`` to the verified length."""
 
-    def __init__(self, executor: Executor):
+    def __init__(self, executor: Executor, vocab_size: int | None = None):
+        """``vocab_size``: the draft model's embedding rows, when fewer than the target's (see
+        ``check_same_vocabulary``)."""
         self.executor = executor
+        self.vocab_size = vocab_size
         self.chains = True  # greedy requests draft in one stage call (False: a call per draft, as sampled ones)
 
     def after_verify(self, seq, result, b, rows, drafted, accepted, proposal) -> None:
@@ -50,6 +53,10 @@ class DraftModelProposer(StatelessProposer):
 
     def _call(self, seqs, inputs: list[list[int]], starts: list[int], tables, chain: list[int] | None = None):
         ids = np.array([t for toks in inputs for t in toks], np.int64)
+        if self.vocab_size is not None:
+            # an id the target emitted past the draft's rows is padding (no text maps to it): the draft
+            # reads its own last row instead, which changes its proposals only, never the output
+            np.minimum(ids, self.vocab_size - 1, out=ids)
         pos = np.array([p for toks, s in zip(inputs, starts) for p in range(s, s + len(toks))], np.int64)
         qlens = np.array([len(t) for t in inputs], np.int32)
         bt = pack_block_tables(tables)

@@ -53,6 +53,8 @@ def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
             qj = None
         else:
             qj = q[j]
+            if len(qj) < len(pj):  # a draft model with fewer padding rows proposes none of the ids past them
+                qj = np.pad(qj, (0, len(pj) - len(qj)))
             qx = float(qj[x])
         px = float(pj[x])
         if qx > 0 and rng.random() < min(1.0, px / qx):

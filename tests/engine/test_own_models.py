@@ -99,6 +99,32 @@ def test_a_draft_model_with_another_vocabulary_is_refused_naming_draft_dir(tmp_p
     eng.close()
 
 
+def test_a_draft_with_fewer_padding_rows_than_the_target_speculates_losslessly(tmp_path, default_model):
+    """Qwen2.5's small models pad the same tokenizer to fewer rows than its large ones: such a draft
+    serves; one with more rows than the target (ids the target has no row for) is refused."""
+    target = save_hf_checkpoint(tmp_path / "target", "llama", {"vocab_size": 4160})  # 4096 tokens, padded
+    shutil.copy(default_model / "target" / "tokenizer.json", target / "tokenizer.json")
+    draft = own_model(tmp_path / "small", default_model, "llama-linear")  # the same tokens, 4096 rows
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=s) for s in range(4)]
+    outs = {}
+    for spec in ("none", "draft"):
+        eng = LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(draft), speculation=spec,
+                                     policy="static:2", num_kv_blocks=64, block_size=8))
+        try:
+            outs[spec] = [o.output_token_ids for o in eng.generate(PROMPTS, greedy)]
+            done = eng.generate([PROMPTS[0]] * 4, sampled)
+            assert all(o.finish_reason == "length" and len(o.output_token_ids) == 16 for o in done)
+            if spec == "draft":
+                assert eng.stats.snapshot()["spec_decode_num_draft_tokens_total"] > 0
+        finally:
+            eng.close()
+    assert outs["draft"] == outs["none"]
+    with pytest.raises(ValueError, match=r"draft_dir=.*with the same tokenizer a draft may have fewer padding rows"):
+        LLMEngine(EngineConfig(model_dir=str(draft), draft_dir=str(target), speculation="draft", num_kv_blocks=32,
+                               block_size=8))
+
+
 def test_a_sampled_id_past_the_tokenizer_adds_no_text_and_the_step_goes_on(tmp_path, default_model):
     """Qwen2 pads its 151665 tokens to 152064 embedding rows. Here the head scores only two padding
     rows, ``w`` and ``-w``, so greedy decoding picks one of them at every step."""

@@ -43,6 +43,19 @@ def test_rejection_sampling_keeps_target_distribution(point_mass):
     assert chisquare(counts, p * n).pvalue > 1e-3
 
 
+def test_a_proposal_over_fewer_ids_than_the_target_is_verified_as_zero_past_them():
+    """A draft model with fewer padding rows than the target proposes nothing past its rows."""
+    gen = np.random.default_rng(0)
+    for _ in range(200):
+        p = gen.dirichlet(np.ones(12), size=4)
+        q = gen.dirichlet(np.ones(9), size=3)  # the draft's 9 rows of the target's 12
+        drafts = [int(gen.choice(9, p=row)) for row in q]
+        seed = int(gen.integers(1 << 30))
+        narrow = verify_rejection(drafts, q, p, np.random.default_rng(seed))
+        padded = verify_rejection(drafts, np.pad(q, ((0, 0), (0, 3))), p, np.random.default_rng(seed))
+        assert narrow == padded
+
+
 def test_chi_square_detects_a_biased_verifier():
     # negative control: emitting the draft unconditionally yields q, and the test must see it
     rng = np.random.default_rng(0)
