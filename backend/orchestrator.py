@@ -206,12 +206,13 @@ class Orchestrator:
         self._release_held()
         self.log.log_error(f"[lightspec] engine step failed: {traceback.format_exc()}")
         code = "UNAVAILABLE" if is_unavailable(str(error)) else "INTERNAL"
+        message = f"engine step failed: {error}"
         for rid in list(self._in_engine):
-            self._finish_with_error(rid, code, f"engine step failed: {error}")
+            self._finish_with_error(rid, code, message)
             # the engine may be unable to abort after a failure, which is logged above already;
             # aborted with the error, the request counts as failed, not as cancelled by its client
             with contextlib.suppress(Exception):
-                self.engine.abort(rid, f"engine step failed: {error}")
+                self.engine.abort(rid, message)
         self._in_engine.clear()
         time.sleep(0.05)  # do not spin if every step keeps failing
 

@@ -43,7 +43,7 @@ def steps_until_done(engine, timeout_s: float = 60.0) -> list:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(timeout_s)
-    assert not t.is_alive(), f"still waiting for {sorted(engine._unfinished)} after {timeout_s} s"
+    assert not t.is_alive(), f"still waiting for unfinished requests after {timeout_s} s"
     return out
 
 
