@@ -210,11 +210,16 @@ def parse_request(
         name = origin.get("max_tokens", "max_tokens")
         raise ValueError(f"{name}={max_tokens}: exceeds the model's context length ({max_model_len} tokens)")
     params = _sampling_params(kwargs, origin)
+    stream = _stream(get, parameters)
+    exclude = _scalar(get, "exclude_input_in_output")
+    if stream and exclude is not None and not exclude:
+        # vLLM's backend refuses it too: streamed responses carry only the new text
+        raise ValueError("exclude_input_in_output=False: not supported when streaming; send true or leave it out")
     return GenerateRequest(
         prompt=prompt,
         params=params,
-        stream=_stream(get, parameters),
-        exclude_input_in_output=_flag(get, "exclude_input_in_output"),
+        stream=stream,
+        exclude_input_in_output=bool(exclude),
         return_num_input_tokens=_flag(get, "return_num_input_tokens"),
         return_num_output_tokens=_flag(get, "return_num_output_tokens"),
         prompt_name="text_input" if isinstance(prompt, str) else "input_ids",

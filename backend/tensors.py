@@ -71,7 +71,8 @@ INPUTS = [
         "ignore_eos", "BOOL", (1,), doc="default false; true keeps generating past the tokenizer's EOS (benchmarks)"
     ),
     TensorSpec(
-        "exclude_input_in_output", "BOOL", (1,), doc="default false: non-streaming `text_output` starts with the prompt"
+        "exclude_input_in_output", "BOOL", (1,), doc="default false: non-streaming `text_output` starts with the prompt; "
+        "false with streaming is refused"
     ),
     TensorSpec("priority", "INT32", (1,), doc="default 0; higher is admitted first and preempted last"),
     TensorSpec(

@@ -242,6 +242,15 @@ def test_add_special_tokens_defaults_to_true_and_is_read_from_its_tensor():
         parse_request(getter(text_input="x", add_special_tokens=np.array([0], np.int32)))
 
 
+def test_streaming_with_the_prompt_in_the_output_is_refused_as_in_vllms_backend():
+    assert parse_request(getter(text_input="x", stream=True)).exclude_input_in_output is False
+    assert parse_request(getter(text_input="x", exclude_input_in_output=False)).exclude_input_in_output is False
+    with pytest.raises(ValueError, match=r"^exclude_input_in_output=False: not supported when streaming"):
+        parse_request(getter(text_input="x", stream=True, exclude_input_in_output=False))
+    with pytest.raises(ValueError, match=r"^exclude_input_in_output=False"):
+        parse_request(getter(text_input="x", exclude_input_in_output=False), parameters={"stream": True})
+
+
 def test_stream_as_a_request_parameter():
     assert parse_request(getter(text_input="x"), parameters={"stream": "true"}).stream
     assert not parse_request(getter(text_input="x"), parameters={"stream": False}).stream
