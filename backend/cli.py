@@ -53,12 +53,13 @@ def _resolve_kv_fraction(out: dict[str, str]) -> dict[str, str]:
     every process of the server sizes the same pool (see ``lightspec_core.engine.kv_budget``). The
     fraction is of what the weights leave, shared by every pool: each engine process (several with
     ``data_parallel_size``) loads the weights and allocates a pool of its own, and with ``speculation:
-    draft`` the draft model's weights and pool come on top of the target's."""
+    draft`` the draft model's weights and pool come on top of the target's (with ``mtp``, the heads'
+    runner)."""
     from lightspec_core.config import parse_memory, resolve_dirs
 
     value = out.get("kv_cache_memory")
     if value and (fraction := parse_memory(value)[1]) is not None:
-        from lightspec_core.engine.kv_budget import available_memory, pooled_models, weights_bytes
+        from lightspec_core.engine.kv_budget import available_memory, engine_weights_bytes
         from lightspec_core.models.llama import LlamaConfig
 
         from .params import parse_backend_config
@@ -68,7 +69,7 @@ def _resolve_kv_fraction(out: dict[str, str]) -> dict[str, str]:
         config = parse_backend_config({**default_parameters(), **rest})
         cfg, engines = config.engine, config.engine_processes()
         target = resolve_dirs(cfg)[0]
-        weights = sum(weights_bytes(d, cfg.dtype) for _, d in pooled_models(cfg, LlamaConfig.from_dir(target), target))
+        weights = engine_weights_bytes(cfg, LlamaConfig.from_dir(target), target)
         free = max(available_memory(cfg.device) - engines * weights, 0)
         out["kv_cache_memory"] = str(int(fraction * free / engines))
     return out

@@ -4,12 +4,16 @@ model and its pool fit in the memory there is.
 A block holds ``block_size`` tokens of keys and values for every layer:
 ``2 x layers x num_key_value_heads x head_dim x block_size x bytes per value``. With a draft model
 the budget pays for two pools of ``num_kv_blocks`` (the draft's runner has as many blocks as the
-target's, one allocator serving both) and for both models' weights.
+target's, one allocator serving both) and for both models' weights; with MTP heads, for what their
+runner holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import struct
 from pathlib import Path
 
 from ..config import EngineConfig, SpecMethod, parse_memory, resolve_dirs
@@ -34,24 +38,44 @@ def available_memory(device: str) -> int:
     raise OSError("no MemAvailable in /proc/meminfo")
 
 
+def _elements(path: Path) -> int:
+    """Values in a safetensors file, from its header."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+
+
 def weights_bytes(model_dir: str | Path, dtype: str) -> int:
     """What the checkpoint's weights take once converted to ``dtype`` (from the safetensors headers of
     the files a load reads: others beside them, as mistralai's ``consolidated.safetensors``, are not)."""
-    import json
-    import struct
-
     from ..models.checkpoint import checkpoint_files
 
-    total = 0
-    for path in checkpoint_files(Path(model_dir)):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        for name, t in header.items():
-            if name != "__metadata__":
-                n = 1
-                for d in t["shape"]:
-                    n *= d
-                total += n * _BYTES[dtype]
+    return sum(_elements(path) for path in checkpoint_files(Path(model_dir))) * _BYTES[dtype]
+
+
+def mtp_bytes(model, mtp_dir: str | Path) -> int:
+    """What the MTP heads' runner (``stages.mtp.MTPRunner``) holds, all float32: the heads, each
+    head's folded matrices (its token table is vocabulary x hidden, so the folded heads outweigh
+    the heads themselves), and its own copy of the target's embedding and LM head."""
+    from ..models.mtp_heads import MTPConfig
+
+    heads = MTPConfig.from_dir(mtp_dir)
+    vocab_file = Path(mtp_dir) / "draft_vocab.json"
+    draft_vocab = len(json.loads(vocab_file.read_text())["token_ids"]) if vocab_file.exists() else 0
+    v, h, i = model.vocab_size, heads.hidden_size, heads.intermediate_size
+    target = v * h * (1 if model.tie_word_embeddings else 2) + h  # embedding, LM head, final norm
+    # token table, state, gate and up, LM head (the folded down projection is the head's own)
+    folded = v * h + h * h + 2 * i * h + (draft_vocab or v) * h
+    subset = draft_vocab * (4 * h + 8)  # the LM head's draft-vocabulary rows, and their int64 ids
+    return subset + 4 * (target + heads.num_heads * folded + _elements(Path(mtp_dir) / "mtp.safetensors"))
+
+
+def engine_weights_bytes(cfg: EngineConfig, model, model_dir: str | Path) -> int:
+    """What an engine's weights take: the target's and a draft model's, in ``cfg.dtype``, and with
+    ``speculation: mtp`` the heads' runner (``mtp_bytes``)."""
+    total = sum(weights_bytes(d, cfg.dtype) for _, d in pooled_models(cfg, model, model_dir))
+    if cfg.method is SpecMethod.MTP:
+        total += mtp_bytes(model, resolve_dirs(dataclasses.replace(cfg, model_dir=str(model_dir)))[1])
     return total
 
 
@@ -91,7 +115,7 @@ def with_kv_budget(cfg: EngineConfig, model, model_dir: str | Path, *, allow_fra
     models = pooled_models(cfg, model, model_dir)
     per_block = sum(block_bytes(cfg, m) for m, _ in models)
     need_weights = check_fit or cfg.kv_cache_memory
-    weights = sum(weights_bytes(d, cfg.dtype) for _, d in models) if need_weights else 0
+    weights = engine_weights_bytes(cfg, model, model_dir) if need_weights else 0
     name, value = "num_kv_blocks", cfg.num_kv_blocks
     if cfg.kv_cache_memory:
         name, value = "kv_cache_memory", cfg.kv_cache_memory
@@ -103,7 +127,8 @@ def with_kv_budget(cfg: EngineConfig, model, model_dir: str | Path, *, allow_fra
     if check_fit:
         free = available_memory(cfg.device)
         if weights + cfg.num_kv_blocks * per_block > free:
-            what = "the model and its draft model" if len(models) > 1 else "the model"
+            what = {SpecMethod.DRAFT: "the model and its draft model", SpecMethod.MTP: "the model and its MTP heads"}
+            what = what.get(cfg.method, "the model")
             raise ValueError(f"{name}={value!r}: {what} ({weights / 2**30:.2f} GiB) and a KV pool of "
                              f"{cfg.num_kv_blocks} blocks ({cfg.num_kv_blocks * per_block / 2**30:.2f} GiB) need "
                              f"more than the {free / 2**30:.2f} GiB available")

@@ -75,20 +75,24 @@ def test_cli_repository_writes_a_validated_repository_for_a_checkpoint(tmp_path,
     assert "parameter policy='bogus'" in capsys.readouterr().err.splitlines()[-1]
 
 
-@pytest.mark.parametrize(("extra", "engines", "with_draft"), [
-    ({"data_parallel_size": "2", "speculation": "mtp"}, 2, False),
-    ({"data_parallel_size": "1", "speculation": "draft"}, 1, True),
-    ({"stages": "triton"}, 1, False),
+@pytest.mark.parametrize(("extra", "engines", "method"), [
+    ({"data_parallel_size": "2", "speculation": "mtp"}, 2, "mtp"),
+    ({"data_parallel_size": "1", "speculation": "draft"}, 1, "draft"),
+    ({"stages": "triton", "speculation": "mtp"}, 1, "mtp"),
+    ({"data_parallel_size": "2", "speculation": "ngram"}, 2, "ngram"),
 ])  # fmt: skip
 def test_a_kv_fraction_is_shared_by_every_pool_after_every_copy_of_the_weights(smoke_model, monkeypatch,
-                                                                               extra, engines, with_draft):
+                                                                               extra, engines, method):
     from lightspec_core.engine import kv_budget
+    from lightspec_core.models.llama import LlamaConfig
 
     monkeypatch.setattr(kv_budget, "available_memory", lambda device: 8 * 2**30)
     target = str(smoke_model / "target")
     weights = kv_budget.weights_bytes(target, "float32")
-    if with_draft:
+    if method == "draft":
         weights += kv_budget.weights_bytes(str(smoke_model / "draft"), "float32")
+    if method == "mtp":  # the heads' runner, in every engine process
+        weights += kv_budget.mtp_bytes(LlamaConfig.from_dir(target), smoke_model / "mtp")
     out = cli._resolve_kv_fraction({"model_dir": target, "kv_cache_memory": "0.5", **extra})
     assert int(out["kv_cache_memory"]) == int(0.5 * (8 * 2**30 - engines * weights) / engines)
 

@@ -52,7 +52,8 @@ def test_budgets_that_cannot_work_fail_naming_the_parameter(smoke_model, monkeyp
     monkeypatch.setattr(kv_budget, "available_memory", lambda device: 1 << 20)  # a 1 MiB machine
     with pytest.raises(ValueError, match=r"num_kv_blocks=1024: the model .* need more than the 0.00 GiB available"):
         kv_budget.with_kv_budget(EngineConfig(), model, target)
-    fraction = kv_budget.with_kv_budget(EngineConfig(kv_cache_memory="0.9"), model, target, check_fit=False)
+    fraction = kv_budget.with_kv_budget(EngineConfig(kv_cache_memory="0.9", speculation="none"), model, target,
+                                        check_fit=False)
     weights = kv_budget.weights_bytes(target, "float32")
     assert fraction.num_kv_blocks == int(0.9 * ((1 << 20) - weights)) // kv_budget.block_bytes(fraction, model)
 
@@ -86,3 +87,55 @@ def test_a_draft_models_pool_and_weights_come_out_of_the_budget(tmp_path, monkey
     bytes_budget = EngineConfig(draft_dir=str(draft), kv_cache_memory=str(10 * (b_target + b_draft)),
                                 speculation="draft")
     assert kv_budget.with_kv_budget(bytes_budget, model, target, check_fit=False).num_kv_blocks == 10
+
+
+def _held_bytes(obj, seen: set[int]) -> int:
+    """Bytes of the distinct tensor storages reachable from ``obj``'s attributes (modules, lists)."""
+    if isinstance(obj, torch.Tensor):
+        ptr = obj.untyped_storage().data_ptr()
+        if ptr in seen:
+            return 0
+        seen.add(ptr)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, torch.nn.Module):
+        return sum(_held_bytes(t, seen) for t in [*obj.parameters(), *obj.buffers()])
+    if isinstance(obj, (list, tuple)):
+        return sum(_held_bytes(x, seen) for x in obj)
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("lightspec_core"):
+        return sum(_held_bytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+@pytest.mark.parametrize("draft_vocab", [True, False])
+def test_the_mtp_heads_runner_is_counted_as_it_holds_its_weights(default_model, tmp_path, draft_vocab):
+    """Its folded heads hold a vocabulary-sized table each: for a 7B Llama's four heads about 2 GiB
+    the budget did not count."""
+    from lightspec_core.stages.mtp import MTPRunner
+
+    target, mtp = default_model / "target", default_model / "mtp"
+    if not draft_vocab:
+        mtp = shutil.copytree(mtp, tmp_path / "mtp", ignore=shutil.ignore_patterns("draft_vocab.json"))
+    runner = MTPRunner(target, mtp)
+    model = LlamaConfig.from_dir(target)
+    held = _held_bytes(runner, set())
+    rope = sum(b.untyped_storage().nbytes() for name, b in runner.target.named_buffers() if "rope" in name)
+    assert 0 < rope < held // 100  # the rotary tables: the target's own runner has them too
+    assert kv_budget.mtp_bytes(model, mtp) == held - rope
+    assert kv_budget.mtp_bytes(model, mtp) > 2 * kv_budget.weights_bytes(target, "float32") // 3
+
+
+def test_mtp_heads_come_out_of_the_budget(default_model, monkeypatch):
+    default_model = default_model / "target"
+    model = LlamaConfig.from_dir(default_model)
+    monkeypatch.setattr(kv_budget, "available_memory", lambda device: 256 << 20)
+    mtp = EngineConfig(model_dir=str(default_model), kv_cache_memory="0.5", speculation="mtp")
+    none = EngineConfig(model_dir=str(default_model), kv_cache_memory="0.5", speculation="none")
+    weights = kv_budget.weights_bytes(default_model, "float32")
+    heads = kv_budget.mtp_bytes(model, default_model.parent / "mtp")
+    per_block = kv_budget.block_bytes(none, model)
+    assert kv_budget.with_kv_budget(none, model, default_model).num_kv_blocks == int(0.5 * ((256 << 20) - weights)) // per_block
+    assert kv_budget.with_kv_budget(mtp, model, default_model).num_kv_blocks == int(
+        0.5 * ((256 << 20) - weights - heads)) // per_block
+    monkeypatch.setattr(kv_budget, "available_memory", lambda device: weights + heads)
+    with pytest.raises(ValueError, match=r"num_kv_blocks=1024: the model and its MTP heads \("):
+        kv_budget.with_kv_budget(EngineConfig(model_dir=str(default_model), speculation="mtp"), model, default_model)
