@@ -147,7 +147,9 @@ def sampling_fields(obj: dict, label: Callable[[str], str]) -> dict:
         if key not in SAMPLING_KEYS:
             known = ", ".join([*SAMPLING_KEYS, *NEUTRAL_KEYS])
             raise ValueError(f"{name}: unknown key; LightSpec accepts {known}")
-        if value is None:  # as the vLLM backend does: None means the default
+        if value is None:  # as in vLLM: the default, and for max_tokens the rest of the context
+            if key == "max_tokens":
+                out["max_tokens"] = None
             continue
         field, kind = SAMPLING_KEYS[key]
         v = _stop(name, value) if kind == "stop" else coerce(name, value, kind)

@@ -206,7 +206,7 @@ def parse_request(
     _merge(kwargs, origin, parse_request_parameters(parameters), "parameter")
     kwargs.setdefault("ignore_eos", False)
     max_tokens = kwargs.get("max_tokens", SamplingParams.max_tokens)
-    if max_model_len is not None and max_tokens > max_model_len:
+    if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:
         name = origin.get("max_tokens", "max_tokens")
         raise ValueError(f"{name}={max_tokens}: exceeds the model's context length ({max_model_len} tokens)")
     params = _sampling_params(kwargs, origin)

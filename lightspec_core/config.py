@@ -38,7 +38,8 @@ MAX_STOP_CHARS = 256
 class SamplingParams:
     """Per-request generation parameters (vLLM names; ``end_id`` as in TensorRT-LLM).
 
-    ``temperature == 0`` is greedy. ``num_draft_tokens`` caps speculation for this request
+    ``max_tokens=None`` generates to the end of the context (the engine resolves it when the request
+    is added). ``temperature == 0`` is greedy. ``num_draft_tokens`` caps speculation for this request
     (``None``: engine default, ``0``: no speculation). Higher ``priority`` is admitted first and
     preempted last. Until ``min_tokens`` tokens are generated, the end tokens (EOS unless
     ``ignore_eos``, and ``end_id``) are masked out of the target's distribution and stop strings
@@ -46,7 +47,7 @@ class SamplingParams:
     ``EngineConfig.stream_interval`` for this request (vLLM's rule: the larger of the two).
     """
 
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -62,7 +63,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             raise _bad("max_tokens", self.max_tokens, "must be a positive integer")
         if not (0.0 <= self.temperature < float("inf")):  # also rejects NaN
             raise _bad("temperature", self.temperature, "must be a finite number >= 0")
@@ -70,7 +71,7 @@ class SamplingParams:
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.top_k <= INT32_MAX:  # the stages carry top_k as int32
             raise _bad("top_k", self.top_k, f"must be in [0, {INT32_MAX}] (0 disables top-k)")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= (self.max_tokens or INT32_MAX):
             raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise _bad("num_draft_tokens", self.num_draft_tokens, "must be >= 0")

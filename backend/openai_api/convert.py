@@ -1,7 +1,7 @@
 """OpenAI requests -> the ``lightspec`` model's tensors, and its responses -> OpenAI objects.
 
-Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions (chat
-leaves the length to the engine's default). Values are checked with the engine's own
+Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions; a chat
+without a length generates to the end of the context, as in vLLM. Values are checked with the engine's own
 ``SamplingParams`` before anything reaches Triton, so a bad value is a 400 naming the field.
 """
 
@@ -94,6 +94,8 @@ def request_tensors(prompt: str | list[int], req: CompletionRequest | ChatComple
         tensors = {"input_ids": prompt}
     _check_ranges(tensors, renamed_fields(req))
     tensors |= sampling_tensors(req)
+    if "max_tokens" not in tensors:  # a chat without a length: the rest of the context, as vLLM's
+        tensors["sampling_parameters"] = '{"max_tokens": null}'
     tensors |= {
         "stream": bool(req.stream),
         "exclude_input_in_output": True,

@@ -8,6 +8,7 @@ different micro-batches overlap; results are consumed in launch order.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -110,6 +111,8 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r}: already in use")
         try:
             ids = self._checked_prompt(prompt, params, add_special_tokens)
+            if params.max_tokens is None:  # the rest of the context, as in vLLM
+                params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         except ValueError:
             self.stats.count_rejected()
             raise

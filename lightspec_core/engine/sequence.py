@@ -31,7 +31,7 @@ def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: s
         raise ValueError(f"prompt: token ids must be in [0, {vocab})")
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt: {len(ids)} tokens, the context holds {max_model_len}")
-    if len(ids) + params.max_tokens > max_model_len:
+    if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
         raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
                          f"context of {max_model_len} tokens")
     return ids

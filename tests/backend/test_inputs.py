@@ -251,6 +251,15 @@ def test_streaming_with_the_prompt_in_the_output_is_refused_as_in_vllms_backend(
         parse_request(getter(text_input="x", exclude_input_in_output=False), parameters={"stream": True})
 
 
+def test_a_null_max_tokens_asks_for_the_rest_of_the_context_as_in_vllm():
+    r = parse_request(getter(text_input="x", sampling_parameters='{"max_tokens": null, "top_k": null}'),
+                      max_model_len=512)  # fmt: skip
+    assert r.params.max_tokens is None and r.params.top_k == 0  # other keys' null: their default
+    assert parse_request(getter(text_input="x"), parameters={"max_tokens": None}).params.max_tokens is None
+    with pytest.raises(ValueError, match=r"^sampling_parameters: max_tokens is also given by max_tokens"):
+        parse_request(getter(text_input="x", max_tokens=4, sampling_parameters='{"max_tokens": null}'))
+
+
 def test_stream_as_a_request_parameter():
     assert parse_request(getter(text_input="x"), parameters={"stream": "true"}).stream
     assert not parse_request(getter(text_input="x"), parameters={"stream": False}).stream

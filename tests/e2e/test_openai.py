@@ -190,6 +190,25 @@ def test_chat_renders_the_template_and_equals_triton_on_the_rendered_prompt(chat
     check_spec_metrics(chunks[-1].model_dump())
 
 
+def test_a_chat_without_a_length_generates_to_the_end_of_the_context(chat_client, chat_dir):
+    """vLLM's default: the rest of the context (1024 tokens for the embedded model), not a fixed count."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    body = PROMPT
+    while True:  # a prompt that leaves a few dozen tokens of the context
+        messages = [{"role": "user", "content": body}]
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        n = prompt_tokens(rendered, chat_dir, False)
+        if n > 1024 - 48:
+            break
+        body += "\n    total = total + fibonacci(n - 1)"
+    r = chat_client.chat.completions.create(model="lightspec", messages=messages, temperature=0,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 1024 - n
+    assert r.choices[0].finish_reason == "length"
+
+
 def engine_metric(server, name: str) -> float:
     """An engine statistic summed over its labels, under the name the backend exports it."""
     try:

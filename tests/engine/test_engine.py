@@ -244,6 +244,23 @@ def test_end_id_stops_generation(smoke_model):
     assert outs[0].output_token_ids == ids[: ids.index(end) + 1]
 
 
+@pytest.mark.parametrize("speculation", ["none", "mtp"])
+def test_max_tokens_none_generates_to_the_end_of_the_context(smoke_model, speculation):
+    """vLLM's ``max_tokens=None``: each request gets the rest of the context, whatever its prompt."""
+    prompts = ["def f(x):", "import os\n" * 5]
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation=speculation, max_model_len=48))
+    try:
+        with pytest.raises(ValueError, match=r"^min_tokens=60: must be an integer in \[0, max_tokens="):
+            eng.add_request("long", prompts[0], SamplingParams(max_tokens=None, min_tokens=60))
+        outs = eng.generate(prompts, SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=3))
+    finally:
+        eng.close()
+    assert len(outs[0].prompt_token_ids) != len(outs[1].prompt_token_ids)
+    for out in outs:
+        assert out.finish_reason == "length"
+        assert len(out.prompt_token_ids) + len(out.output_token_ids) == 48
+
+
 def test_abort_frees_blocks_and_ends_with_cancelled(smoke_model):
     eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", pipeline_depth=2))
     for i in range(4):

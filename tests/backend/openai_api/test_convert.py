@@ -33,7 +33,10 @@ def test_completion_maps_every_sampling_field_to_its_tensor():
 def test_openai_defaults_sampling_at_temperature_one_and_16_completion_tokens():
     t = sampling_tensors(completion())
     assert t == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 16}
-    assert "max_tokens" not in sampling_tensors(chat())  # chat: the engine's default length
+    assert "max_tokens" not in sampling_tensors(chat())
+    # a chat without a length: the rest of the context, as in vLLM (vLLM's null max_tokens)
+    assert request_tensors("hi", chat())["sampling_parameters"] == '{"max_tokens": null}'
+    assert "sampling_parameters" not in request_tensors("hi", chat(max_tokens=3))
 
 
 def test_a_single_stop_string_and_token_id_prompts():
