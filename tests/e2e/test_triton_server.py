@@ -374,6 +374,27 @@ def test_bad_policy_in_a_config_override_fails_model_load(server):
     assert "policy='sometimes'" in str(e.value)
 
 
+def test_a_draft_stage_whose_model_is_shorter_than_the_context_fails_its_load_naming_draft_dir(
+        server, smoke_model, tmp_path):
+    """Refused when it loads, not at the first request that reaches past the draft's positions."""
+    import shutil
+
+    short = shutil.copytree(smoke_model / "draft", tmp_path / "draft")
+    config = json.loads((short / "config.json").read_text())
+    served = json.loads((smoke_model / "target" / "config.json").read_text())["max_position_embeddings"]
+    config["max_position_embeddings"] = served // 2
+    (short / "config.json").write_text(json.dumps(config))
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    cfg = client.get_model_config("lightspec_draft", as_json=True)["config"]
+    assert cfg["parameters"]["role"]["string_value"] == "draft"
+    cfg["name"] = "lightspec_alt"
+    cfg["parameters"]["draft_dir"] = {"string_value": str(short)}
+    with pytest.raises(InferenceServerException) as e:
+        client.load_model("lightspec_alt", config=json.dumps(cfg))
+    assert f"draft_dir={str(short)!r}: the draft model's max_position_embeddings={served // 2}" in str(e.value)
+    assert not client.is_model_ready("lightspec_alt") and client.is_model_ready("lightspec_draft")
+
+
 # ---- cancellation and metrics -------------------------------------------------------------------
 
 
