@@ -62,14 +62,18 @@ def _resolve_kv_fraction(out: dict[str, str]) -> dict[str, str]:
         from lightspec_core.engine.kv_budget import available_memory, engine_weights_bytes
         from lightspec_core.models.llama import LlamaConfig
 
-        from .params import parse_backend_config
+        from .params import check_checkpoints, parse_backend_config
         from .repository import default_parameters
 
         rest = {k: v for k, v in out.items() if k != "kv_cache_memory"}
         config = parse_backend_config({**default_parameters(), **rest})
+        check_checkpoints(config)  # a missing model_dir is named as without a fraction
         cfg, engines = config.engine, config.engine_processes()
         target = resolve_dirs(cfg)[0]
-        weights = engine_weights_bytes(cfg, LlamaConfig.from_dir(target), target)
+        try:
+            weights = engine_weights_bytes(cfg, LlamaConfig.from_dir(target), target)
+        except OSError as e:  # the heads or the draft model the fraction must count
+            raise ValueError(f"kv_cache_memory={value!r}: cannot count the weights it comes after: {e}") from None
         free = max(available_memory(cfg.device) - engines * weights, 0)
         out["kv_cache_memory"] = str(int(fraction * free / engines))
     return out
@@ -176,26 +180,25 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _run(args, supervisor) -> int:
+def _run(args, supervisor, apis: list) -> int:
     """Start the server, print where it listens, and serve (restarting it on faults) until
-    interrupted."""
+    interrupted. The OpenAI API server it starts goes into ``apis``: the caller stops it once
+    Triton has drained, since the API's open streams are requests the drain lets finish."""
     from .openai_api.command import start_for_serve
 
     server = supervisor.server
     supervisor.start(timeout_s=args.startup_timeout)
     api = start_for_serve(args, server.grpc_url, server.model_repository)
-    try:
-        _print_endpoints(server, args.verbose, api.url if api else None)
-        if args.sample:
-            code = _sample(args, server)
-            if code == 130:  # the client took serve's SIGTERM or Ctrl-C: drain, as at any other time
-                raise KeyboardInterrupt
-            if code != 0:
-                return 1
-        supervisor.run()
-    finally:
-        if api is not None:
-            api.stop()
+    if api is not None:
+        apis.append(api)
+    _print_endpoints(server, args.verbose, api.url if api else None)
+    if args.sample:
+        code = _sample(args, server)
+        if code == 130:  # the client took serve's SIGTERM or Ctrl-C: drain, as at any other time
+            raise KeyboardInterrupt
+        if code != 0:
+            return 1
+    supervisor.run()
     return 0
 
 
@@ -234,8 +237,9 @@ def _serve_repository(args, repo: Path) -> int:
     control = Path(tempfile.mkdtemp(dir=default_cache_dir() / "control"))
     supervisor = Supervisor(server, control)
     print(f"Starting tritonserver ({server.install.binary}) with {repo} ...", flush=True)
+    apis: list = []
     try:
-        return _run(args, supervisor)
+        return _run(args, supervisor, apis)
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C: drain; a second one stops at once
         print(f"\nStopping tritonserver (in-flight requests get {args.grace_period:g} s to finish) ...", flush=True)
         try:
@@ -252,6 +256,8 @@ def _serve_repository(args, repo: Path) -> int:
         # stubs, its shared memory, the control directory)
         for sig in previous:
             signal.signal(sig, lambda *_: server.process is not None and server.process.kill())
+        for api in apis:  # after the drain: until then its streams were requests finishing
+            api.stop()
         server.stop()
         shutil.rmtree(control, ignore_errors=True)
         for sig, handler in previous.items():
@@ -274,8 +280,13 @@ def repository(args) -> int:
     from .repository import write_model_repository
 
     try:
-        repo = write_model_repository(Path(args.out), _overrides(args))
-        notes = validate_repository(repo)
+        overrides = _overrides(args)
+        with tempfile.TemporaryDirectory() as scratch:  # validated before --out is touched
+            try:
+                notes = validate_repository(write_model_repository(Path(scratch), overrides))
+            except ValueError as e:  # named as the file it would have been
+                raise ValueError(str(e).replace(scratch, str(Path(args.out)))) from None
+        repo = write_model_repository(Path(args.out), overrides)
     except ValueError as e:
         print(f"lightspec repository: {e}", file=sys.stderr)
         return 2

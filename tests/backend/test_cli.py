@@ -73,6 +73,20 @@ def test_cli_repository_writes_a_validated_repository_for_a_checkpoint(tmp_path,
     assert read_config_parameters(out / "lightspec_target" / "config.pbtxt")["kv_cache_memory"] == budget
     assert cli.main(["repository", "--model-dir", "target", "--policy", "bogus", "--out", str(tmp_path / "bad")]) == 2
     assert "parameter policy='bogus'" in capsys.readouterr().err.splitlines()[-1]
+    # a bad value is refused before the repository it would replace is touched, named in it
+    before = (out / "lightspec" / "config.pbtxt").read_text()
+    argv = ["repository", "--model-dir", "target", "--set", "stages=triton", "--set", "max_num_seqs=abc"]
+    assert cli.main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"lightspec repository: {out / 'lightspec' / 'config.pbtxt'}: ") and "max_num_seqs='abc'" in err
+    assert (out / "lightspec" / "config.pbtxt").read_text() == before
+
+
+@pytest.mark.parametrize("command", ["repository", "serve"])
+def test_a_missing_checkpoint_is_named_with_a_kv_fraction_too(tmp_path, capsys, command):
+    argv = [command, "--model-dir", str(tmp_path / "nowhere"), "--set", "kv_cache_memory=0.5"]
+    assert cli.main([*argv, *(["--out", str(tmp_path / "repo")] if command == "repository" else [])]) == 2
+    assert f"parameter model_dir='{tmp_path / 'nowhere'}': no checkpoint" in capsys.readouterr().err.splitlines()[-1]
 
 
 @pytest.mark.parametrize(("extra", "engines", "method"), [
@@ -124,7 +138,7 @@ def test_a_second_signal_during_the_drain_stops_the_server_at_once_and_cleans_up
             assert self.control.is_dir()
             raise KeyboardInterrupt  # the second SIGTERM or Ctrl-C, while in-flight requests drain
 
-    def first_signal(args, sup):
+    def first_signal(args, sup, apis):
         raise KeyboardInterrupt
 
     server = _Server()
@@ -136,6 +150,45 @@ def test_a_second_signal_during_the_drain_stops_the_server_at_once_and_cleans_up
     assert cli.main(["serve"]) == 1
     assert server.calls == ["kill", "stop"]  # killed, then cleaned up (stubs, shared memory)
     assert not any((tmp_path / "control").iterdir()) and signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_openai_api_stops_after_tritons_drain_so_its_streams_get_the_grace_period(monkeypatch, tmp_path):
+    """Its open streams are requests the drain lets finish: stopped first, uvicorn would cut them
+    after its own 5 s and the drain would start only then."""
+    from lightspec_backend import supervisor
+    from lightspec_backend.openai_api import command
+
+    events = []
+
+    class Api:
+        url = "http://127.0.0.1:1/v1"
+
+        def stop(self):
+            events.append("api stopped")
+
+    class Supervisor:
+        def __init__(self, server, control):
+            self.server = server
+            server.pid, server.grpc_url, server.http_url, server.metrics_url = 1, "g", "h", "m"
+            server.log_file, server.model_repository = None, tmp_path
+
+        def start(self, timeout_s):
+            pass
+
+        def run(self):
+            raise KeyboardInterrupt  # SIGTERM while serving
+
+        def shutdown(self, grace_period):
+            events.append(f"drained {grace_period:g} s")
+            return 0
+
+    server = _Server()
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cli, "_server", lambda args, repo: server)
+    monkeypatch.setattr(command, "start_for_serve", lambda args, url, repo: Api())
+    monkeypatch.setattr(supervisor, "Supervisor", Supervisor)
+    assert cli.main(["serve"]) == 0
+    assert events == ["drained 30 s", "api stopped"] and server.calls == ["stop"]
 
 
 def test_a_signal_while_the_sample_streams_drains_the_server_as_at_any_other_time(monkeypatch, tmp_path):
