@@ -29,13 +29,15 @@ from .process import EngineProcess, error_delta
 
 log = logging.getLogger("lightspec")
 
-MEAN_KEYS = ("kv_cache_usage_ratio", "kv_cache_fragmentation_ratio")  # ratios: averaged, not summed
+# averaged, not summed: ratios, and what each engine's dynamic policy believes a step costs
+MEAN_KEYS = ("kv_cache_usage_ratio", "kv_cache_fragmentation_ratio", "policy_draft_cost_seconds",
+             "policy_step_excess_seconds", "policy_step_overhead_seconds")
 
 
 def merge_snapshots(snapshots: list[dict]) -> dict:
     """One statistics snapshot from the shards' (:meth:`RuntimeStats.snapshot`): counters and gauges
-    summed (lists element by element, dicts key by key), ratios averaged, and the mean acceptance
-    length recomputed from the summed counters."""
+    summed (lists element by element, dicts key by key), ratios and the policies' prices averaged,
+    and the mean acceptance length recomputed from the summed counters."""
     merged: dict = {}
     for key in {k for s in snapshots for k in s}:
         values = [s[key] for s in snapshots if key in s]
