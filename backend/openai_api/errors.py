@@ -28,6 +28,12 @@ TENSOR_TO_FIELD = {
 }
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 499: "cancelled", 503: "service_unavailable"}
 _UNAVAILABLE = ("shutting down", "unloaded", "failed to connect", "unavailable", "connection refused", "not ready")
+# Triton's "Request for unknown model" for a model in its repository that is loading or unloaded: a
+# restart's window, which a client should retry, unlike a name Triton does not know ("is not found")
+_NOT_READY = ("has no available versions", "is not at ready state")
+# a cancellation the server made (a drain's grace period over, on shutdown or a fault restart), not
+# the client: 503 tells the client to retry where 499 would blame it
+_SERVER_CANCELLED = ("server shut down", "grace period")
 
 
 class OpenAIError(Exception):
@@ -75,11 +81,20 @@ def from_triton(message: str, status: str | None = None, renamed: dict[str, str]
         return OpenAIError(message, 400, param=field)
     if "UNAVAILABLE" in status or any(s in lowered for s in _UNAVAILABLE):
         return OpenAIError(f"the inference server is unavailable: {message}", 503, code="unavailable")
+    if any(s in lowered for s in _NOT_READY):
+        return model_not_ready(message)
     if "NOT_FOUND" in status or "unknown model" in lowered:
         return OpenAIError(message, 404, param="model", code="model_not_found")
     if "CANCELLED" in status or "cancelled" in lowered:
+        if any(s in lowered for s in _SERVER_CANCELLED):
+            return OpenAIError(f"the inference server is unavailable: {message}", 503, code="unavailable")
         return OpenAIError(message, 499, code="cancelled")
     return OpenAIError(f"the inference server failed the request: {message}", 500, code="internal_error")
+
+
+def model_not_ready(detail: str) -> OpenAIError:
+    """The 503 for a model Triton has but cannot run yet (loading, restarting, unloaded)."""
+    return OpenAIError(f"the model is not ready (loading or restarting), retry: {detail}", 503, code="unavailable")
 
 
 def _is_union_branch(part: str) -> bool:

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from ..client import infer_inputs
 from ..install import BACKEND_NAME
-from .errors import OpenAIError, from_triton
+from .errors import OpenAIError, from_triton, model_not_ready
 
 _LIST_TTL_S = 5.0
 
@@ -76,6 +76,12 @@ def _rpc_error(e: grpc.RpcError, renamed: dict[str, str] | None = None) -> OpenA
     return from_triton(e.details() or str(e), e.code().name if e.code() else None, renamed)
 
 
+def _served_model_error(err: OpenAIError) -> OpenAIError:
+    # a request goes only to a model find() returned: Triton not knowing it means it was unloaded
+    # since (a restart), which the client should retry, not a name the client got wrong
+    return model_not_ready(err.message) if err.code == "model_not_found" else err
+
+
 def _param(config, key: str) -> str | None:
     p = config.parameters.get(key)
     return None if p is None else p.string_value
@@ -92,6 +98,10 @@ class Triton:
         self.model_repository = Path(model_repository).resolve() if model_repository else None
         self._client: grpcaio.InferenceServerClient | None = None
         self._served: tuple[float, list[ServedModel]] | None = None  # (when listed, models)
+        self._not_ready: dict[str, str] = {}  # as of the last listing, see _list
+        # names (and checkpoint directory names) answered before: a restart's reload may drop the
+        # model from the index for a moment, and a 404 then would tell clients not to retry
+        self._ever_served: set[str] = set()
 
     @property
     def client(self) -> grpcaio.InferenceServerClient:
@@ -113,16 +123,23 @@ class Triton:
     async def models(self) -> list[ServedModel]:
         """Every ready model with backend ``lightspec`` and the orchestrator role; 503 when Triton
         does not answer."""
+        return (await self._list())[0]
+
+    async def _list(self) -> tuple[list[ServedModel], dict[str, str]]:
+        """The ready LightSpec orchestrators, and every model of the index that is not ready (name
+        -> its state and reason): Triton gives no config for one, so its backend is unknown."""
         try:
             index = await self.client.get_model_repository_index(as_json=False, client_timeout=10)
-            out = []
+            out, not_ready = [], {}
             for m in index.models:
                 if m.state != "READY":
+                    not_ready[m.name] = ": ".join(filter(None, (m.state or "not loaded", m.reason)))
                     continue
                 config = (await self.client.get_model_config(m.name, m.version, client_timeout=10)).config
                 if config.backend == BACKEND_NAME and (_param(config, "role") or "orchestrator") == "orchestrator":
                     out.append(ServedModel(m.name, self._checkpoint(_param(config, "model_dir"))))
-            return out
+            self._ever_served.update(n for m in out for n in (m.name, m.model_dir and m.model_dir.name) if n)
+            return out, not_ready
         except InferenceServerException as e:
             raise from_triton(e.message(), e.status()) from None
         except grpc.RpcError as e:
@@ -141,13 +158,15 @@ class Triton:
         return path.resolve() if path.is_absolute() and path.is_dir() else None
 
     async def find(self, name: str) -> ServedModel:
-        """The served model ``name`` (or whose checkpoint directory is named so); 404 otherwise.
-        The list is reused for a few seconds (listing costs a call per model), and listed afresh
-        before a name is refused."""
+        """The served model ``name`` (or whose checkpoint directory is named so); 503 while it is
+        in Triton's index but not ready, or was served before (loading, restarting); 404 for a
+        name Triton does not know. The list is reused for a few seconds (listing costs a call per
+        model), and listed afresh before a name is refused."""
         stale = self._served is None or time.monotonic() - self._served[0] > _LIST_TTL_S
         known = not stale and any(m.name == name or (m.model_dir and m.model_dir.name == name) for m in self._served[1])
         if not known:
-            self._served = (time.monotonic(), await self.models())
+            served, self._not_ready = await self._list()
+            self._served = (time.monotonic(), served)
         models = self._served[1]
         for m in models:
             if m.name == name:
@@ -155,6 +174,10 @@ class Triton:
         for m in models:
             if m.model_dir is not None and m.model_dir.name == name:
                 return m
+        if name in self._not_ready:
+            raise model_not_ready(f"model {name!r} is in Triton's repository, {self._not_ready[name]}")
+        if name in self._ever_served:
+            raise model_not_ready(f"model {name!r} was served and is not in Triton's repository now")
         served = ", ".join(m.name for m in models) or "none"
         raise OpenAIError(f"model {name!r} does not exist (served: {served})", 404, "model", "model_not_found")
 
@@ -175,7 +198,7 @@ class Triton:
         try:
             async for result, error in responses:
                 if error is not None:
-                    raise from_triton(error.message(), error.status(), renamed)
+                    raise _served_model_error(from_triton(error.message(), error.status(), renamed))
                 chunk = decode_chunk(result)
                 finished = bool(chunk.finish_reason)
                 yield chunk
@@ -183,7 +206,7 @@ class Triton:
                     return
             raise OpenAIError("the inference server closed the stream before the last response", 503)
         except grpc.RpcError as e:
-            raise _rpc_error(e, renamed) from None
+            raise _served_model_error(_rpc_error(e, renamed)) from None
         finally:
             done.set()
             if not finished:

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from fastapi.testclient import TestClient
+from lightspec_backend.install import BACKEND_NAME
 from lightspec_backend.launcher import free_ports
 from lightspec_backend.openai_api import create_app
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +132,82 @@ def test_a_port_in_use_fails_start_naming_the_port_and_the_way_out():
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=rf"did not start on 127\.0\.0\.1:{port} .*--openai-port 0"):
             OpenAIServer("127.0.0.1:1", port=port, log_level="critical").start(timeout_s=10)
+
+
+class FakeTritonClient:
+    """tritonclient's aio gRPC client as ``Triton`` uses it: a repository index whose models'
+    states a test sets (``state``: name -> READY, LOADING, ...; a name absent is unknown to Triton),
+    the configs of LightSpec orchestrators, and a stream that fails with ``stream_error``."""
+
+    def __init__(self):
+        self.state: dict[str, str] = {}
+        self.stream_error = ""
+
+    async def get_model_repository_index(self, as_json=False, client_timeout=None):
+        models = [SimpleNamespace(name=n, version="1", state=s, reason="") for n, s in self.state.items()]
+        return SimpleNamespace(models=models)
+
+    async def get_model_config(self, name, version="", client_timeout=None):
+        assert self.state.get(name) == "READY", "Triton gives no config for a model that is not ready"
+        return SimpleNamespace(config=SimpleNamespace(backend=BACKEND_NAME, parameters={}))
+
+    def stream_infer(self, requests):
+        error = InferenceServerException(self.stream_error)
+
+        class Responses:
+            async def __aiter__(self):
+                yield None, error
+
+            def cancel(self):
+                pass
+
+        return Responses()
+
+    async def close(self):
+        pass
+
+
+@pytest.fixture
+def fake_triton(tmp_path, monkeypatch):
+    """An app over a ``FakeTritonClient`` (``.triton``) that lists the index afresh on every look-up."""
+    from lightspec_backend.openai_api import triton
+
+    monkeypatch.setattr(triton, "_LIST_TTL_S", -1.0)
+    app = create_app("127.0.0.1:1", model_dir=tmp_path)
+    app.state.triton._client = fake = FakeTritonClient()
+    with TestClient(app) as c:
+        c.triton = fake
+        yield c
+
+
+def test_a_model_loading_or_gone_after_serving_is_503_and_only_a_name_triton_lacks_404(fake_triton):
+    client, triton = fake_triton, fake_triton.triton
+    completion = {"model": "lightspec", "prompt": "x", "max_tokens": 4}
+    for state in ["LOADING", "UNAVAILABLE", ""]:  # a restart's load, its unload, and no state yet
+        triton.state = {"lightspec": state}
+        for r in (client.post("/v1/completions", json=completion), client.get("/v1/models/lightspec")):
+            err = error(r, 503)
+            assert err["type"] == "service_unavailable" and err["code"] == "unavailable", state
+            assert "lightspec" in err["message"] and "not ready" in err["message"]
+    unknown = {**completion, "model": "gpt-4"}
+    assert error(client.post("/v1/completions", json=unknown), 404)["code"] == "model_not_found"
+    triton.state = {"lightspec": "READY"}
+    assert client.get("/v1/models/lightspec").json()["id"] == "lightspec"
+    triton.state = {}  # served before, gone from the index (a reload under way): still not a 404
+    assert error(client.get("/v1/models/lightspec"), 503)["code"] == "unavailable"
+    assert error(client.get("/v1/models/gpt-4"), 404)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Request for unknown model: 'lightspec' is not found",  # unloaded between the look-up and the request
+        "Request for unknown model: 'lightspec' has no available versions",
+        "request cancelled: the server shut down (grace period over)",
+    ],
+)
+def test_a_served_model_failing_a_request_as_unloaded_or_drained_is_503(fake_triton, message):
+    fake_triton.triton.state, fake_triton.triton.stream_error = {"lightspec": "READY"}, message
+    for stream in (False, True):
+        body = {"model": "lightspec", "prompt": "x", "stream": stream}
+        assert error(fake_triton.post("/v1/completions", json=body), 503)["code"] == "unavailable"

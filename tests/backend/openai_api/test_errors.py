@@ -106,3 +106,26 @@ def test_invalid_json_names_no_field():
 def test_error_types_follow_openai():
     assert OpenAIError("x", 404).type == "not_found_error"
     assert OpenAIError("x", 500).type == "server_error"
+
+
+@pytest.mark.parametrize("status", [None, "StatusCode.NOT_FOUND"])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Request for unknown model: 'lightspec' has no available versions",
+        "Request for unknown model: 'lightspec' version 1 is not at ready state",
+    ],
+)
+def test_a_model_triton_knows_but_has_not_ready_is_503_not_404(message, status):
+    err = from_triton(message, status)
+    assert (err.status, err.type, err.code) == (503, "service_unavailable", "unavailable")
+    assert "not ready" in err.message
+
+
+@pytest.mark.parametrize("status", [None, "CANCELLED", "StatusCode.CANCELLED"])
+def test_the_servers_drain_cancelling_a_request_is_503_a_clients_cancel_stays_499(status):
+    # the orchestrator's message when a drain's grace period ends (shutdown or fault restart)
+    drained = from_triton("request cancelled: the server shut down (grace period over)", status)
+    assert (drained.status, drained.type, drained.code) == (503, "service_unavailable", "unavailable")
+    assert from_triton("request cancelled", status).status == 499
+    assert from_triton("Locally cancelled by application!", "StatusCode.CANCELLED").code == "cancelled"
