@@ -173,7 +173,8 @@ class Orchestrator:
             return
         req = entry.state.request
         try:
-            self.engine.add_request(entry.id, req.prompt, req.params, add_special_tokens=req.add_special_tokens)
+            self.engine.add_request(entry.id, req.prompt, req.params, add_special_tokens=req.add_special_tokens,
+                                    arrived_at=entry.arrived_at)
         except ValueError as e:  # prompt too long, max_tokens beyond the context, ... (the engine counts it)
             self._post((entry, ErrorReply("INVALID_ARG", name_prompt_error(req, e))))
             return

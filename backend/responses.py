@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,6 +69,8 @@ class Entry:
     shutting_down: bool = False
     closed: bool = False  # FINAL sent (or attempted); set by its response thread only
     shard: int = 0  # which response thread sends its responses (one: they keep their order)
+    # when execute() took it: the engine loop adds it between steps, and the wait counts (TTFT)
+    arrived_at: float = field(default_factory=time.perf_counter)
     # Serialises is_cancelled() with send(): in Triton 2.51, is_cancelled() on a sender whose FINAL
     # response went out (or is going out) reads a freed response factory and crashes the server.
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -103,9 +103,10 @@ class LLMEngine:
 
     # ---- public API ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    add_special_tokens: bool = True) -> None:
+                    add_special_tokens: bool = True, arrived_at: float | None = None) -> None:
         """Queue a request. A ``ValueError`` (prompt problems name the field ``prompt``) refuses it
-        and counts it as a failed request. ``add_special_tokens``: see :func:`.sequence.checked_prompt`."""
+        and counts it as a failed request. ``add_special_tokens``: see :func:`.sequence.checked_prompt`.
+        ``arrived_at``: when a server took it (``time.perf_counter()``), for its latency metrics."""
         params = params or SamplingParams()
         if request_id in self.seqs:
             raise ValueError(f"request_id={request_id!r}: already in use")
@@ -117,7 +118,8 @@ class LLMEngine:
             self.stats.count_rejected()
             raise
         seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tok, ids),
-                       seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()), arrival=next(self._arrivals))
+                       seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()), arrival=next(self._arrivals),
+                       arrived_at=arrived_at)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.counters["prompt_tokens_total"] += len(ids)

@@ -136,8 +136,9 @@ class EngineProcess:
 
     # ---- LLMEngine's serving surface ------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    add_special_tokens: bool = True) -> None:
+                    add_special_tokens: bool = True, arrived_at: float | None = None) -> None:
         params = params or SamplingParams()
+        arrived_at = time.perf_counter() if arrived_at is None else arrived_at  # not when the child reads it
         if request_id in self._unfinished:
             raise ValueError(f"request_id={request_id!r}: already in use")
         try:  # the child gets token ids: the text is encoded here, once
@@ -150,7 +151,7 @@ class EngineProcess:
         if self._dead is not None:
             self._failed.append((request_id, self._dead))  # answered by the next step
         else:
-            self._send(("add", request_id, ids, params))  # if the child is gone, the next step fails it
+            self._send(("add", request_id, ids, params, arrived_at))  # if the child is gone, the next step fails it
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         if request_id in self._unfinished:
@@ -324,7 +325,8 @@ def _child_loop(conn, engine, stats_interval_s: float) -> None:
                 engine.executor.set_threads(message[1])
             elif message[0] == "add":
                 try:
-                    engine.add_request(*message[1:])
+                    rid, ids, params, arrived_at = message[1:]
+                    engine.add_request(rid, ids, params, arrived_at=arrived_at)
                 except Exception as e:  # noqa: BLE001 - the parent checked the prompt; answer, keep serving
                     conn.send(("failed", message[1], f"the engine refused the request: {e}"))
             else:

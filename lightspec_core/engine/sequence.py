@@ -45,7 +45,7 @@ class Status(Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detok: IncrementalDetokenizer, seed: int, arrival: int):
+                 detok: IncrementalDetokenizer, seed: int, arrival: int, arrived_at: float | None = None):
         self.request_id = request_id
         self.params = params
         self.prompt_len = len(prompt_ids)
@@ -89,7 +89,9 @@ class Sequence:
         self.end_len = self.prompt_len + params.max_tokens
         self.sampled = params.temperature != 0.0
         # timing
-        self.t_arrival = time.perf_counter()
+        # when the server took the request (``time.perf_counter``: CLOCK_MONOTONIC, the same clock
+        # in every process), so a wait for the step in progress counts in its queue time and TTFT
+        self.t_arrival = time.perf_counter() if arrived_at is None else arrived_at
         self.t_scheduled: float | None = None  # first admitted to a step (queue time ends)
         self.t_first_token: float | None = None
         self.t_last_token: float | None = None

@@ -111,14 +111,14 @@ class EngineShards:
         self._threads = [self._total_threads] * n  # what each shard was last told
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    add_special_tokens: bool = True) -> None:
+                    add_special_tokens: bool = True, arrived_at: float | None = None) -> None:
         if request_id in self._shard_of:
             raise ValueError(f"request_id={request_id!r}: already in use")
         # a shard whose child is gone fails at once whatever it is given, so it always looks the
         # least busy: it gets a request only when no shard is alive (to answer it with its error)
         shard = min(self.shards, key=lambda s: (not s.alive, s.num_unfinished()))
         # a refused prompt raises here, naming the field
-        shard.add_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
+        shard.add_request(request_id, prompt, params, add_special_tokens=add_special_tokens, arrived_at=arrived_at)
         self._shard_of[request_id] = shard
         self._share_threads()
 

@@ -254,6 +254,44 @@ def fail_second_step(engine, monkeypatch, error: Exception) -> None:
     monkeypatch.setattr(engine, "step", step)
 
 
+def test_time_to_first_token_counts_from_when_the_request_arrived_not_from_the_next_step(served, engine,
+                                                                                       monkeypatch):
+    """vLLM counts from the request's arrival: one that arrives during a step waits for it, and that
+    wait is part of what its client sees."""
+    orch, pb = served
+    real_step, slow = engine.step, 0.4
+
+    def step(on_launched=None):
+        def launched():  # the stages compute after the launch, as in a real step
+            if on_launched is not None:
+                on_launched()
+            time.sleep(slow)
+        return real_step(launched)
+
+    monkeypatch.setattr(engine, "step", step)
+    first = request(text_input="def f(x):", max_tokens=4, ignore_eos=True, stream=True)
+    orch.submit(first)
+    time.sleep(slow / 2)  # inside the first request's step now
+    late = request(text_input="import os", max_tokens=1, stream=True)
+    sent = time.perf_counter()
+    orch.submit(late)
+    assert late.sender.wait_final(30)
+    seen = time.perf_counter() - sent
+    assert first.sender.wait_final(30)
+    family = pb.families["vllm:time_to_first_token_seconds"]
+    ttfts = wait_for_observations(family, 2)
+    assert seen > slow and max(ttfts) >= seen - 0.05, (seen, ttfts)
+
+
+def wait_for_observations(family, n: int, timeout_s: float = 10.0) -> list[float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = [o for m in family.metrics for o in m.observations]
+        if len(seen) >= n or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.02)
+
+
 def test_step_failure_fails_in_flight_requests_and_keeps_serving(served, engine, monkeypatch):
     orch, pb = served
     fail_second_step(engine, monkeypatch, RuntimeError("boom"))

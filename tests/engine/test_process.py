@@ -85,6 +85,19 @@ def test_a_bad_prompt_is_refused_here_naming_the_field_and_counted(child):
     assert not engine.has_unfinished()
 
 
+def test_latencies_count_from_when_the_server_took_the_request_not_when_the_child_read_it(child):
+    engine, _ = child
+    engine.stats.drain_observations()
+    arrived = time.perf_counter() - 5.0  # taken 5 s ago (the same clock in every process)
+    engine.add_request("waited", "def f():", SamplingParams(max_tokens=2, ignore_eos=True), arrived_at=arrived)
+    steps_until_done(engine)
+    got = {}
+    for name, value, _ in engine.stats.drain_observations():
+        got.setdefault(name, value)
+    assert 5.0 <= got["time_to_first_token_seconds"] < 5.0 + 30
+    assert got["request_queue_time_seconds"] >= 5.0 and got["e2e_request_latency_seconds"] >= 5.0
+
+
 def test_an_aborted_request_ends_cancelled_and_the_others_finish(child):
     engine, _ = child
     params = SamplingParams(max_tokens=64, ignore_eos=True)
