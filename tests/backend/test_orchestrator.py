@@ -71,7 +71,7 @@ def test_add_special_tokens_reaches_the_engine(served, engine, monkeypatch):
     add = engine.add_request
 
     def recording(request_id, prompt, params, **kwargs):
-        seen[prompt] = kwargs
+        seen[prompt] = {k: v for k, v in kwargs.items() if k != "arrived_at"}
         add(request_id, prompt, params, **kwargs)
 
     monkeypatch.setattr(engine, "add_request", recording)
