@@ -6,8 +6,12 @@ Each ``schedule()`` builds one :class:`StepPlan`:
 1. running requests (priority order): a decoding request feeds its newest token; a prefilling one
    feeds the next chunk of its prompt within the step's token budget. If the KV pool is short, the
    lowest-priority running request not yet in the plan is preempted (its blocks are freed; it is
-   recomputed from its tokens later), so the pool can never deadlock;
-2. waiting requests are admitted by priority while budget, ``max_num_seqs`` and blocks allow;
+   recomputed from its tokens later), so the pool can never deadlock. A request whose only victim
+   would be itself waits instead while another micro-batch in flight holds blocks: that batch
+   comes back and either frees them or preempts it;
+2. waiting requests are admitted by priority while budget, ``max_num_seqs`` and blocks allow, in a
+   step that preempted nobody (as in vLLM: a preempted request admitted again at once would take
+   back the blocks just freed, and two requests could take turns preempting each other forever);
 3. the speculation policy picks k_i for the decoding requests, under the remaining token budget and
    the KV headroom (above the high-water mark drafts only use slots already allocated); lookahead
    blocks for the drafts are then reserved.
@@ -98,6 +102,7 @@ class Scheduler:
         max_seqs = min(max_seqs or self.max_num_seqs, self.max_num_seqs)
         plan = StepPlan()
         in_plan: set[str] = set()
+        preempted = self.num_preemptions
         budget = self.token_budget
         items = plan.items
         running = Status.RUNNING
@@ -117,7 +122,8 @@ class Scheduler:
             in_plan.add(seq.request_id)
             budget -= item.num_new
         admitted = len(items)
-        budget = self._admit(plan, in_plan, budget, max_seqs)
+        if self.num_preemptions == preempted:
+            budget = self._admit(plan, in_plan, budget, max_seqs)
         for item in items[admitted:]:
             prefill += self._sort(item, cands)
             longest = max(longest, item.start + item.num_new)
@@ -152,8 +158,8 @@ class Scheduler:
             return ScheduledSeq(seq, n, samples=samples)  # fast path: the slots are already there
         while not self.blocks.ensure(seq.request_id, seq.num_computed + n):
             victim = self._pick_victim(busy, in_plan)
-            if victim is None:
-                return None
+            if victim is None or (victim is seq and any(self.blocks.tables.get(r) for r in busy)):
+                return None  # see the module's docstring: wait for the batch in flight
             self._preempt(victim)
             if victim is seq:
                 return None
@@ -187,11 +193,11 @@ class Scheduler:
                 self.blocks.free(seq.request_id)  # matched blocks go back until it is admitted
                 seq.num_computed = 0
                 break
-            if not seq.num_steps:  # a first admission, not a recompute after preemption
+            if not seq.admitted:  # a first admission, not a recompute after preemption
                 self.prefix_queries += seq.prompt_len
                 self.prefix_hits += seq.num_computed
             self.waiting.pop(0)
-            seq.status = Status.RUNNING
+            seq.status, seq.admitted = Status.RUNNING, True
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             plan.items.append(ScheduledSeq(seq, n, samples=samples))
             in_plan.add(seq.request_id)

@@ -18,8 +18,9 @@ from ..models.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
 def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: str | list[int],
                    params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
-    """The prompt's token ids, or a ``ValueError`` naming ``prompt``, ``max_tokens`` or ``end_id``
-    (checked here, not at its first use inside a batched step, which would fail the whole batch).
+    """The prompt's token ids, or a ``ValueError`` naming ``prompt``, ``max_tokens``, ``min_tokens``
+    or ``end_id`` (checked here, not at its first use inside a batched step, which would fail the
+    whole batch).
     A text prompt is encoded with the tokenizer's special tokens (BOS) unless ``add_special_tokens``
     is false (a rendered chat template holds them already); token ids are taken as they are."""
     if params.end_id is not None and not 0 <= params.end_id < vocab:
@@ -31,6 +32,9 @@ def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: s
         raise ValueError(f"prompt: token ids must be in [0, {vocab})")
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt: {len(ids)} tokens, the context holds {max_model_len}")
+    if params.max_tokens is None and params.min_tokens > max_model_len - len(ids):
+        raise ValueError(f"min_tokens={params.min_tokens}: the context of {max_model_len} tokens leaves "
+                         f"{max_model_len - len(ids)} after the prompt ({len(ids)} tokens)")
     if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
         raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
                          f"context of {max_model_len} tokens")
@@ -75,6 +79,7 @@ class Sequence:
         self.num_draft = 0
         self.num_accepted = 0
         self.num_steps = 0
+        self.admitted = False  # once: a recompute after preemption is not another prefix-cache query
         self.accept_hist: list[int] = []  # [j]: verify steps with drafts that accepted exactly j of them
         # per draft position j, decayed counts: times j was reached (drafts < j all accepted) and
         # times it was accepted; their ratio is the conditional acceptance rate the policy uses

@@ -250,7 +250,7 @@ def test_max_tokens_none_generates_to_the_end_of_the_context(smoke_model, specul
     prompts = ["def f(x):", "import os\n" * 5]
     eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation=speculation, max_model_len=48))
     try:
-        with pytest.raises(ValueError, match=r"^min_tokens=60: must be an integer in \[0, max_tokens="):
+        with pytest.raises(ValueError, match=r"^min_tokens=60: the context of 48 tokens leaves \d+ after the prompt"):
             eng.add_request("long", prompts[0], SamplingParams(max_tokens=None, min_tokens=60))
         outs = eng.generate(prompts, SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=3))
     finally:
@@ -259,6 +259,40 @@ def test_max_tokens_none_generates_to_the_end_of_the_context(smoke_model, specul
     for out in outs:
         assert out.finish_reason == "length"
         assert len(out.prompt_token_ids) + len(out.output_token_ids) == 48
+
+
+@pytest.mark.parametrize(("depth", "caching", "blocks", "block_size", "budget", "length"),
+                         [(1, False, 16, 16, 100, 160), (2, False, 16, 16, 100, 160), (2, True, 8, 4, 3, 20)])
+def test_two_prompts_that_fit_the_pool_only_one_at_a_time_both_finish(default_model, depth, caching, blocks,
+                                                                     block_size, budget, length):
+    """Chunked prefills that each fit the pool but not together. At depth 2 the request in flight
+    could not be preempted, so the other preempted itself, was admitted again in the same step,
+    took the blocks back, and the two took turns for ever."""
+    prompts = [[1, *range(10, 10 + length)], [1, *range(2000, 2000 + length)]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want, _ = run(default_model, prompts, params, speculation="none")
+    eng = LLMEngine(EngineConfig(model_dir=str(default_model / "target"), speculation="none", num_kv_blocks=blocks,
+                                 block_size=block_size, max_num_batched_tokens=budget, pipeline_depth=depth,
+                                 enable_prefix_caching=caching))
+    try:
+        for rid, prompt in zip("ab", prompts):
+            eng.add_request(rid, prompt, params)
+        out = {rid: [] for rid in "ab"}
+        for _ in range(200):
+            for d in eng.step():
+                out[d.request_id] += d.new_token_ids
+            if not eng.has_unfinished():
+                break
+        assert not eng.has_unfinished(), f"still running after 200 steps, {eng.scheduler.num_preemptions} preemptions"
+        assert [out["a"], out["b"]] == [w.output_token_ids for w in want]
+        counters = eng.stats.counters
+        assert 1 <= eng.scheduler.num_preemptions <= 2
+        # the preempted prompt's recompute is neither a second query nor a hit on its own blocks
+        assert counters["prefix_cache_queries_total"] == counters["prompt_tokens_total"] == 2 * (length + 1)
+        assert counters["prefix_cache_hits_total"] == 0
+        eng.blocks.check_invariants()
+    finally:
+        eng.close()
 
 
 def test_abort_frees_blocks_and_ends_with_cancelled(smoke_model):

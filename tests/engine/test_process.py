@@ -176,3 +176,10 @@ def test_a_child_that_dies_idle_is_reported_without_a_request(smoke_model):
     EngineProcess(config, on_exit=closed.append).close()
     time.sleep(0.5)  # time for a wrong report from the watching thread
     assert closed == [] and len(exits) == 1
+
+
+def test_a_min_tokens_beyond_the_rest_of_the_context_is_refused_here_not_failed_in_the_child(child):
+    engine, _ = child
+    with pytest.raises(ValueError, match=r"^min_tokens=5000: the context of \d+ tokens leaves \d+ after the prompt"):
+        engine.add_request("greedy-min", "def f():", SamplingParams(max_tokens=None, min_tokens=5000))
+    assert not engine.has_unfinished()
