@@ -54,7 +54,7 @@ INPUTS = [
     TensorSpec(
         "stream", "BOOL", (1,), doc="default false: one response; true: one response per step with the new tokens"
     ),
-    TensorSpec("temperature", "FP32", (1,), doc="default 0 (greedy); a finite number >= 0"),
+    TensorSpec("temperature", "FP32", (1,), doc="default 0 (greedy); a finite number >= 0, at most float32's largest"),
     TensorSpec("top_p", "FP32", (1,), doc="default 1; in (0, 1]"),
     TensorSpec("top_k", "INT32", (1,), doc="default 0 (off); >= 0"),
     TensorSpec(

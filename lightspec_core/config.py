@@ -22,6 +22,8 @@ class SpecMethod(str, Enum):
 
 
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_HALF_TINY = 2.0**-150  # at or below it a float rounds to 0 in float32
 
 
 def _bad(name: str, value, why: str) -> ValueError:
@@ -39,8 +41,9 @@ class SamplingParams:
     """Per-request generation parameters (vLLM names; ``end_id`` as in TensorRT-LLM).
 
     ``max_tokens=None`` generates to the end of the context (the engine resolves it when the request
-    is added). ``temperature == 0`` is greedy. ``num_draft_tokens`` caps speculation for this request
-    (``None``: engine default, ``0``: no speculation). Higher ``priority`` is admitted first and
+    is added). ``temperature == 0`` is greedy, as is one that float32 rounds to 0; one beyond
+    float32's range is refused. ``num_draft_tokens`` caps speculation for this request (``None``:
+    engine default, ``0``: no speculation). Higher ``priority`` is admitted first and
     preempted last. Until ``min_tokens`` tokens are generated, the end tokens (EOS unless
     ``ignore_eos``, and ``end_id``) are masked out of the target's distribution and stop strings
     are not matched, as vLLM does. ``stream_interval`` raises the engine's
@@ -65,8 +68,9 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             raise _bad("max_tokens", self.max_tokens, "must be a positive integer")
-        if not (0.0 <= self.temperature < float("inf")):  # also rejects NaN
-            raise _bad("temperature", self.temperature, "must be a finite number >= 0")
+        if not (0.0 <= self.temperature <= FLOAT32_MAX):  # also rejects NaN
+            raise _bad("temperature", self.temperature, f"must be a finite number >= 0 and <= {FLOAT32_MAX:.7g} "
+                       "(float32's largest)")
         if not (0.0 < self.top_p <= 1.0):
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.top_k <= INT32_MAX:  # the stages carry top_k as int32
@@ -85,7 +89,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one that is 0 in the float32 the stages compute with (greedy is its limit)."""
+        return self.temperature <= FLOAT32_HALF_TINY
 
 
 def check_stop_strings(name: str, stop: list[str]) -> None:

@@ -92,7 +92,7 @@ class Sequence:
         # returned); the policy grants no more
         self.draft_room = 1 << 30
         self.end_len = self.prompt_len + params.max_tokens
-        self.sampled = params.temperature != 0.0
+        self.sampled = not params.greedy
         # timing
         # when the server took the request (``time.perf_counter``: CLOCK_MONOTONIC, the same clock
         # in every process), so a wait for the step in progress counts in its queue time and TTFT

@@ -86,7 +86,7 @@ class MTPProposer:
         for row, i in enumerate(staged):
             drafts = [int(t) for t in res.draft_ids[row, : ks[i]] if t >= 0]  # a stop shortens the chain
             n = len(drafts)
-            q = res.draft_probs[row, :n] if seqs[i].params.temperature > 0 else None
+            q = res.draft_probs[row, :n] if not seqs[i].params.greedy else None
             out[i] = Proposal(drafts, q, res.draft_conf[row, :n].tolist() if stop else None)
         return out
 

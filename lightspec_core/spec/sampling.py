@@ -37,8 +37,11 @@ def probs_from_logits(
     if bool(nucleus.any()):
         sp, idx = probs.sort(dim=-1, descending=True)
         cum = sp.cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p (the token crossing the line is kept)
-        sp = sp.masked_fill((cum - sp) >= top_p.unsqueeze(1), 0.0)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing the line is kept),
+        # and always the most likely token: a top_p that is 0 in float32 keeps it alone, its limit
+        drop = (cum - sp) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        sp = sp.masked_fill(drop, 0.0)
         kept = torch.zeros_like(probs).scatter(1, idx, sp)
         # only the rows that asked: a row's distribution must not depend on its batch, and in
         # float32 a full row's running sum reaches 1 before its tail ends, which top_p=1 would cut

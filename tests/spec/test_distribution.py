@@ -82,3 +82,31 @@ def test_speculative_sampling_matches_target_distribution(default_model, method,
     exp = np.append(expected[big], expected[~big].sum() + rest * n)
     assert big.sum() >= 5, "too few populated cells for a meaningful test"
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_float32_extremes_of_temperature_and_top_p_have_greedys_limit_or_are_refused():
+    """The stages carry temperature and top_p as float32: a value float32 rounds to 0 must mean
+    greedy's limit everywhere (it made the MTP proposer index probabilities it never asked for, and
+    top_p NaN rows), and a temperature beyond float32 (inf there) is refused."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0]])
+    onehot = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    tiny = torch.tensor([1e-46], dtype=torch.float32)  # 0 in float32
+    one = torch.tensor([1.0])
+    assert torch.equal(probs_from_logits(logits, one, torch.tensor([0]), tiny), onehot)
+    assert SamplingParams(temperature=1e-46).greedy and not SamplingParams(temperature=1e-44).greedy
+    with pytest.raises(ValueError, match=r"^temperature=1e\+39: must be a finite number >= 0 and <= 3\.402823e\+38"):
+        SamplingParams(temperature=1e39)
+
+
+@pytest.mark.parametrize("speculation", ["mtp", "none"])
+def test_a_temperature_or_top_p_that_is_zero_in_float32_decodes_greedily_beside_others(default_model, speculation):
+    eng = LLMEngine(EngineConfig(model_dir=str(default_model / "target"), speculation=speculation, policy="static:2"))
+    try:
+        greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+        tiny_t = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1e-46, seed=1)
+        tiny_p = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_p=1e-46, seed=1)
+        outs = eng.generate(["def f(x):"] * 3, [greedy, tiny_t, tiny_p])
+    finally:
+        eng.close()
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    assert outs[1].output_token_ids == outs[0].output_token_ids == outs[2].output_token_ids
