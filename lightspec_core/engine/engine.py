@@ -122,7 +122,6 @@ class LLMEngine:
                        arrived_at=arrived_at)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
-        self.stats.counters["prompt_tokens_total"] += len(ids)
 
     def _checked_prompt(self, prompt: str | list[int], params: SamplingParams,
                         add_special_tokens: bool = True) -> list[int]:
@@ -333,6 +332,8 @@ class LLMEngine:
         if seq.t_first_token is None:
             seq.t_first_token = now
             self.stats.observe("time_to_first_token_seconds", now - seq.t_arrival)
+            # at its first token, as vLLM counts it: a request cancelled in the queue computed no prompt
+            self.stats.counters["prompt_tokens_total"] += seq.prompt_len
         elif seq.t_last_token is not None:
             # per step, as vLLM counts it: the tokens of one step (accepted drafts) arrive together
             self.stats.observe("inter_token_latency_seconds", now - seq.t_last_token)

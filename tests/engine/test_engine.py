@@ -295,6 +295,22 @@ def test_two_prompts_that_fit_the_pool_only_one_at_a_time_both_finish(default_mo
         eng.close()
 
 
+def test_prompt_tokens_count_once_computed_not_when_queued(smoke_model):
+    """vLLM's ``prompt_tokens_total`` counts a prompt at the request's first token: one cancelled
+    while it waited computed none."""
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="none", max_num_seqs=1))
+    try:
+        eng.add_request("runs", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        eng.add_request("queued", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+        eng.step()
+        eng.abort("queued")
+        finals = {d.request_id: d.finish_reason for _ in range(10) for d in eng.step() if d.finished}
+        assert finals == {"queued": "cancelled", "runs": "length"}
+        assert eng.stats.counters["prompt_tokens_total"] == 3
+    finally:
+        eng.close()
+
+
 def test_abort_frees_blocks_and_ends_with_cancelled(smoke_model):
     eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), speculation="mtp", pipeline_depth=2))
     for i in range(4):
