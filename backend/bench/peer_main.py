@@ -69,9 +69,10 @@ def _report(args, argv: list[str], every: list[dict], meta: dict) -> None:
     print()
     print(format_peer_ratios(ratios))
     differ = [r for r in every if r["mismatches"]]
-    compared = sum(r["compared"] for r in every)
-    print(f"\ntoken identity: {sum(r['mismatches'] for r in every)} of {compared} requests differ from LightSpec none"
-          + (f" (in {', '.join(sorted({str(r['concurrency']) for r in differ}))})" if differ else ""))  # fmt: skip
+    compared, unchecked = sum(r["compared"] for r in every), sum(r["unchecked"] for r in every)
+    print(f"\ntoken identity: {sum(r['mismatches'] or 0 for r in every)} of {compared} requests differ from "
+          "LightSpec none" + (f" (in {', '.join(sorted({str(r['concurrency']) for r in differ}))})" if differ else "")
+          + (f"; {unchecked} not compared (no LightSpec none output for their prompt)" if unchecked else ""))
     for note in run_caveats(every, rounds=rounds > 1):
         print(note)
     print(

@@ -131,7 +131,7 @@ def kind_stats(records: list[Record]) -> dict[str, dict]:
 ROUND_FIELDS = (
     "repeat", "started_at", "throughput_tok_s", "mean_latency_s", "p50_latency_s", "p99_latency_s",
     "mean_ttft_s", "p99_ttft_s", "mean_itl_s", "mean_in_flight", "errors", "step_ms",
-    "mean_acceptance_length", "loadavg_1m", "cpu_steal_share", "compared", "mismatches",
+    "mean_acceptance_length", "loadavg_1m", "cpu_steal_share", "compared", "mismatches", "unchecked",
 )  # fmt: skip
 
 
@@ -248,17 +248,23 @@ def run_label(run: dict) -> str:
 
 
 def mark_mismatches(runs: list[dict]) -> list[dict]:
-    """Each run with ``compared`` and ``mismatches``: of its requests whose prompt LightSpec ``none``
-    also ran (its first run, normally c=1 over gRPC), how many generated other token ids. The runs'
-    ``outputs`` (per-request token ids) are dropped."""
-    ref_run = next((r for r in runs if r.get("server", "lightspec") == "lightspec" and r["method"] == "none"), None)
-    ref = {o["prompt"]: o["ids"] for o in (ref_run or {}).get("outputs", [])}
+    """Each run with ``compared``, ``mismatches`` and ``unchecked``: of its requests, how many had a
+    reference (LightSpec ``none``'s first output for the same prompt, from any of its runs: one
+    level's run holds only some of the prompts), how many of those generated other token ids
+    (``None`` when none was compared: nothing was checked, which is not "no difference"), and how
+    many had no reference. The runs' ``outputs`` (per-request token ids) are dropped."""
+    ref: dict = {}
+    for r in runs:
+        if r.get("server", "lightspec") == "lightspec" and r["method"] == "none":
+            for o in r.get("outputs", []):
+                ref.setdefault(o["prompt"], o["ids"])
     out = []
     for r in runs:
         r = dict(r)
         outputs = r.pop("outputs", [])
         same = [o["ids"] == ref[o["prompt"]] for o in outputs if o["prompt"] in ref]
-        out.append({**r, "compared": len(same), "mismatches": same.count(False)})
+        out.append({**r, "compared": len(same), "mismatches": same.count(False) if same else None,
+                    "unchecked": len(outputs) - len(same)})  # fmt: skip
     return out
 
 

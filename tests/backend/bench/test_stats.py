@@ -165,8 +165,25 @@ def test_mismatches_count_requests_whose_tokens_differ_from_lightspec_none():
         _peer_run("vllm", "none", "none", 1, 10, outputs=[{"prompt": "b", "ids": [3, 4]}, {"prompt": "z", "ids": []}]),
     ]
     marked = mark_mismatches(runs)
-    assert [(r["compared"], r["mismatches"]) for r in marked] == [(2, 0), (3, 1), (1, 0)]  # "z": not compared
+    assert [(r["compared"], r["mismatches"], r["unchecked"]) for r in marked] == [(2, 0, 0), (3, 1, 0), (1, 0, 1)]
     assert all("outputs" not in r for r in marked) and "outputs" in runs[0]  # the input is left as it was
+
+
+def test_every_level_of_lightspec_none_is_a_reference_and_nothing_compared_is_not_zero_differ():
+    """One level's run holds only some of the prompts: a difference on a prompt the first ``none``
+    run never sent went unseen, and a bench without ``none`` printed 0 differ having compared nothing."""
+    from lightspec_backend.bench.stats import mark_mismatches
+
+    c1 = [{"prompt": "a", "ids": [1, 2]}]
+    c16 = [{"prompt": "a", "ids": [1, 2]}, {"prompt": "b", "ids": [3, 4]}]
+    runs = [
+        _peer_run("lightspec", "none", "none", 1, 10, protocol="grpc", outputs=c1),
+        _peer_run("lightspec", "none", "none", 16, 10, protocol="grpc", outputs=c16),
+        _peer_run("vllm", "none", "none", 16, 10, outputs=[{"prompt": "a", "ids": [1, 2]}, {"prompt": "b", "ids": [3, 9]}]),
+    ]
+    assert [(r["compared"], r["mismatches"]) for r in mark_mismatches(runs)] == [(1, 0), (2, 0), (2, 1)]
+    alone = mark_mismatches(runs[2:])
+    assert (alone[0]["compared"], alone[0]["mismatches"], alone[0]["unchecked"]) == (0, None, 2)
 
 
 def test_peer_ratios_compare_each_lightspec_run_with_vllm_none_and_vllm_best_at_its_level():
