@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .client import Record, Request, run_closed_loop, run_open_loop
 from .configs import RunConfig, stages_for, write_bench_repository
-from .scrape import finished_requests, scrape, server_stats, wait_for_requests
+from .scrape import engine_processes, finished_requests, model_config, scrape, server_stats, wait_for_requests
 from .stats import client_stats, kind_stats, median_runs
 from .workload import Prompt
 
@@ -257,7 +257,12 @@ def run_one(
         **server_stats(before, after, model),
     }
     steps = run.get("engine_steps")
-    run["step_ms"] = 1000 * duration / steps if steps and duration else None
+    # the backend sums engine_steps_total over its engine processes, which step side by side
+    # (lightspec_core.engine.shards): one engine's mean step is the duration over its own share.
+    # An HTTP client (``stream``) has Triton's HTTP address, not its gRPC one
+    engines = engine_processes(model_config(url, model, http=stream is not None)) if steps else None
+    run["engine_processes"] = engines
+    run["step_ms"] = 1000 * duration * (engines or 1) / steps if steps and duration else None
     kinds = kind_stats(records)
     if len(kinds) > 1:
         run["by_kind"] = kinds

@@ -9,12 +9,14 @@ so a renaming of the exported metrics changes this table only.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import time
 import urllib.request
 from collections import defaultdict
 
 from ..metrics import exported_name
+from ..params import Role, flatten_parameters, parse_backend_config
 from .configs import TARGET_STAGE
 from .stats import histogram_quantile
 
@@ -192,3 +194,39 @@ def wait_for_requests(url: str | None, model: str, count: float, timeout_s: floa
         if finished_requests(ms, model) >= count or time.monotonic() > deadline:
             return ms
         time.sleep(0.1)
+
+
+def model_config(url: str, model: str, http: bool = False) -> dict | None:
+    """The configuration Triton at ``url`` (``host:port``) serves for ``model``, over gRPC, or with
+    ``http`` over its HTTP endpoint (``url`` is then the HTTP address); None where none comes back."""
+    if http:
+        base = url if "://" in url else f"http://{url}"
+        try:
+            with urllib.request.urlopen(f"{base}/v2/models/{model}/config", timeout=10) as r:
+                return json.loads(r.read().decode())
+        except (OSError, ValueError):
+            return None
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return client.get_model_config(model, as_json=True, client_timeout=10).get("config")
+    except InferenceServerException:
+        return None
+    finally:
+        client.close()
+
+
+def engine_processes(config: dict | None) -> int | None:
+    """How many engine processes serve a LightSpec orchestrator of this model configuration, by the
+    backend's own rule (``BackendConfig.engine_processes``); None for any other model. The rule's
+    automatic count reads the CPUs of this process, which are the server's where the bench started
+    it (its child inherits them) but may not be those of a server elsewhere (``--url``)."""
+    if not config or config.get("backend") != "lightspec":
+        return None
+    try:
+        backend = parse_backend_config(flatten_parameters(config))
+    except ValueError:  # parameters the backend refuses: it serves no such orchestrator
+        return None
+    return backend.engine_processes() if backend.role is Role.ORCHESTRATOR else None

@@ -202,3 +202,16 @@ def test_open_loop_sends_at_poisson_arrivals_and_counts_latency_from_them(fake_c
     assert np.all(np.diff(sends) > 0) and sends[0] >= t0  # the scheduled arrival, not the actual send
     assert np.diff(sends) == pytest.approx(np.diff(arrivals))
     assert fake_clients[0].most > 1 and fake_clients[0].closed and duration > 0  # nothing caps the requests in flight
+
+
+def test_an_open_loop_runs_duration_counts_from_its_first_send(fake_clients):
+    """The first Poisson arrival is not at 0: a duration taken from before it counts a wait the
+    client made, and the run's throughput comes out low (docs: from the first send to the last
+    final response)."""
+    rate, seed = 20.0, 1
+    gaps = np.random.default_rng(seed).exponential(1 / rate, 4)
+    assert gaps[0] > 0.01  # the wait the duration must leave out
+    records, duration = run_open_loop("url", "m", _requests(4), rate=rate, seed=seed)
+    sends = np.array([r.t_send for r in records])
+    assert duration == pytest.approx(max(r.t_end for r in records) - sends[0], abs=1e-6)
+    assert np.diff(sends) == pytest.approx(gaps[1:])  # the later arrivals keep their gaps

@@ -166,3 +166,60 @@ def test_the_baseline_is_taken_once_the_warm_ups_requests_are_counted(monkeypatc
     assert events[0] == ("scrape", 0) and events[1] == ("warm-up", 2)
     assert finished_requests(before, "m") == 2  # not 0: the warm-up's requests are in the baseline
     assert finished_requests(after, "m") - finished_requests(before, "m") == len(records) == 3
+
+
+class ConfigTriton:
+    """A gRPC client that serves one orchestrator's model configuration (None: not a LightSpec
+    orchestrator; the server answers that it knows no such model)."""
+
+    def __init__(self, parameters: dict[str, str] | None):
+        self.parameters = parameters
+
+    def get_model_config(self, name, as_json=False, client_timeout=None):
+        from tritonclient.utils import InferenceServerException
+
+        if self.parameters is None:
+            raise InferenceServerException(f"Request for unknown model: '{name}' is not found")
+        params = {k: {"string_value": v} for k, v in self.parameters.items()}
+        return {"config": {"name": name, "backend": "lightspec", "parameters": params}}
+
+    def close(self):
+        pass
+
+
+def _run_with_steps(monkeypatch, parameters: dict[str, str] | None, steps: int, duration: float) -> dict:
+    """run_one on a fake server: ``steps`` engine steps (the backend's metric) in ``duration`` s."""
+    import tritonclient.grpc
+    from lightspec_backend import params
+    from lightspec_backend.bench.client import Record
+    from lightspec_backend.bench.scrape import parse_metrics
+
+    cfg = parse_configs(["dynamic"], ["mtp"])[0]
+
+    def scraped(n: int):
+        return parse_metrics(f'lightspec:engine_steps_total{{model_name="{cfg.model_name}",engine="0"}} {n}\n')
+
+    records = [Record("code", 0.0, 0.5, duration - 1, duration, tokens=128, responses=100)]
+    monkeypatch.setattr(runner, "_measure", lambda *args: (records, duration, scraped(0), scraped(steps), None))
+    monkeypatch.setattr(params, "available_cpus", lambda: 4)  # the auto rule's CPUs (the server's)
+    monkeypatch.setattr(tritonclient.grpc, "InferenceServerClient", lambda url: ConfigTriton(parameters))
+    plan = BenchPlan([cfg], [Load(concurrency=1)], [], 8, None)
+    return runner.run_one("u", "metrics", cfg, Load(concurrency=1), plan, log=lambda line: None)
+
+
+@pytest.mark.parametrize(("parameters", "engines"), [
+    ({"speculation": "mtp", "policy": "dynamic"}, 2),  # auto: two engines for speculation on a CPU
+    ({"speculation": "none", "policy": "dynamic"}, 1),  # auto: one engine without speculation
+    ({"speculation": "mtp", "data_parallel_size": "3"}, 3),
+])  # fmt: skip
+def test_step_ms_is_the_mean_step_of_one_engine(monkeypatch, parameters, engines):
+    """The backend sums ``engine_steps_total`` over its engine processes, which step side by side:
+    720 steps in 23 s from two engines is a 63.9 ms step each, not 31.9 ms."""
+    run = _run_with_steps(monkeypatch, parameters, steps=720, duration=23.0)
+    assert run["step_ms"] == pytest.approx(1000 * 23.0 / (720 / engines))
+    assert run["engine_steps"] == 720 and run["engine_processes"] == engines
+
+
+def test_step_ms_is_the_duration_over_all_steps_where_the_engines_are_unknown(monkeypatch):
+    run = _run_with_steps(monkeypatch, None, steps=720, duration=23.0)
+    assert run["engine_processes"] is None and run["step_ms"] == pytest.approx(1000 * 23.0 / 720)

@@ -96,3 +96,42 @@ def test_finished_requests_count_successes_and_failures_of_one_model():
                        'vllm:request_success_total{model_name="other",finished_reason="stop"} 9\n')  # fmt: skip
     assert finished_requests(ms, "m") == 7.0
     assert finished_requests(None, "m") == 0.0
+
+
+def test_engine_processes_follow_the_backends_rule_for_lightspec_orchestrators_only(monkeypatch):
+    from lightspec_backend import params
+    from lightspec_backend.bench.scrape import engine_processes
+
+    def config(backend: str = "lightspec", **parameters: str) -> dict:
+        return {"backend": backend, "parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+
+    monkeypatch.setattr(params, "available_cpus", lambda: 2)
+    assert engine_processes(config(speculation="ngram")) == 2
+    assert engine_processes(config(speculation="ngram", stages="local")) == 1  # the engine in the orchestrator
+    assert engine_processes(config(speculation="ngram", device="cuda")) == 1
+    monkeypatch.setattr(params, "available_cpus", lambda: 1)
+    assert engine_processes(config(speculation="ngram")) == 1
+    assert engine_processes(None) is None  # no configuration came back
+    assert engine_processes(config("python")) is None  # another backend's model
+    assert engine_processes(config(role="target")) is None  # a stage model runs no engine of its own
+    assert engine_processes(config(policy="sometimes")) is None  # parameters the backend would refuse
+
+
+def test_the_model_configuration_comes_over_http_from_the_servers_http_address(monkeypatch):
+    import io
+    import json
+
+    from lightspec_backend.bench import scrape as scrape_mod
+
+    asked = []
+
+    def fake_urlopen(url, timeout=None):
+        asked.append(url)
+        if "missing" in url:
+            raise OSError("HTTP Error 400: Bad Request")
+        return io.BytesIO(json.dumps({"name": "m", "backend": "lightspec"}).encode())
+
+    monkeypatch.setattr(scrape_mod.urllib.request, "urlopen", fake_urlopen)
+    assert scrape_mod.model_config("host:8000", "m", http=True) == {"name": "m", "backend": "lightspec"}
+    assert asked == ["http://host:8000/v2/models/m/config"]
+    assert scrape_mod.model_config("http://host:8000", "missing", http=True) is None
