@@ -125,6 +125,28 @@ class _Server:
         self.calls.append("stop")
 
 
+def _started_supervisor(tmp_path, run, shutdown):
+    """A Supervisor whose server started: ``run()`` is its serving, ``shutdown(grace)`` its drain."""
+
+    class Supervisor:
+        def __init__(self, server, control):
+            self.server = server
+            server.pid, server.grpc_url, server.http_url, server.metrics_url = 1, "g", "h", "m"
+            server.log_file, server.model_repository = None, tmp_path
+
+        def start(self, timeout_s):
+            pass
+
+        def run(self):
+            run()
+
+        def shutdown(self, grace_period):
+            shutdown(grace_period)
+            return 0
+
+    return Supervisor
+
+
 def test_a_second_signal_during_the_drain_stops_the_server_at_once_and_cleans_up(monkeypatch, tmp_path):
     import signal
 
@@ -166,22 +188,10 @@ def test_the_openai_api_stops_after_tritons_drain_so_its_streams_get_the_grace_p
         def stop(self):
             events.append("api stopped")
 
-    class Supervisor:
-        def __init__(self, server, control):
-            self.server = server
-            server.pid, server.grpc_url, server.http_url, server.metrics_url = 1, "g", "h", "m"
-            server.log_file, server.model_repository = None, tmp_path
+    def serving():
+        raise KeyboardInterrupt  # SIGTERM while serving
 
-        def start(self, timeout_s):
-            pass
-
-        def run(self):
-            raise KeyboardInterrupt  # SIGTERM while serving
-
-        def shutdown(self, grace_period):
-            events.append(f"drained {grace_period:g} s")
-            return 0
-
+    Supervisor = _started_supervisor(tmp_path, serving, lambda grace: events.append(f"drained {grace:g} s"))
     server = _Server()
     monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(cli, "_server", lambda args, repo: server)
@@ -196,22 +206,10 @@ def test_a_signal_while_the_sample_streams_drains_the_server_as_at_any_other_tim
 
     drained = []
 
-    class Supervisor:
-        def __init__(self, server, control):
-            self.server = server
-            server.pid, server.grpc_url, server.http_url, server.metrics_url = 1, "g", "h", "m"
-            server.log_file, server.model_repository = None, tmp_path
+    def serving():
+        raise AssertionError("serving on after the interrupted sample")
 
-        def start(self, timeout_s):
-            pass
-
-        def run(self):
-            raise AssertionError("serving on after the interrupted sample")
-
-        def shutdown(self, grace_period):
-            drained.append(grace_period)
-            return 0
-
+    Supervisor = _started_supervisor(tmp_path, serving, drained.append)
     server = _Server()
     monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(cli, "_server", lambda args, repo: server)
