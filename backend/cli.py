@@ -241,7 +241,10 @@ def _serve_repository(args, repo: Path) -> int:
     try:
         return _run(args, supervisor, apis)
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C: drain; a second one stops at once
-        print(f"\nStopping tritonserver (in-flight requests get {args.grace_period:g} s to finish) ...", flush=True)
+        if supervisor.serving:
+            print(f"\nStopping tritonserver (in-flight requests get {args.grace_period:g} s to finish) ...", flush=True)
+        else:
+            print("\nStopping tritonserver (it was still loading) ...", flush=True)
         try:
             return 0 if supervisor.shutdown(args.grace_period) in (0, None) else 1
         except KeyboardInterrupt:

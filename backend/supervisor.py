@@ -61,17 +61,20 @@ class Supervisor:
         self.restarts = 0
         self.events: list[tuple[float, str]] = []  # (time.time(), reason) of every restart
         self.recovering = False  # between a fault's detection and the new server's readiness
+        self.serving = False  # the server came up ready and has not been stopped since
         self._stubs: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, timeout_s: float = 600.0) -> None:
         """Start the server (fresh control directory, restart count in its environment)."""
+        self.serving = False
         self.control.reset()
         env = dict(self.server.base_env) if self.server.base_env is not None else None
         self.server.base_env = {**(env if env is not None else dict(os.environ)), CONTROL_ENV: str(self.control.path),
                                 RESTARTS_ENV: str(self.restarts)}  # fmt: skip
         self.server.start(timeout_s=timeout_s)
         self._stubs = {s.name for s in self.server.stubs() if s.alive}
+        self.serving = True
 
     def run(self, stop=None) -> None:
         """Watch and recover until ``stop`` (a ``threading.Event``) is set; forever without one."""
@@ -149,7 +152,12 @@ class Supervisor:
         return self.control.is_drained()
 
     def shutdown(self, grace_s: float = 30.0) -> int | None:
-        """Drain, unload the orchestrator, stop the server; returns its exit code."""
+        """Drain, unload the orchestrator, stop the server; returns its exit code. A server still
+        loading (the first start or a restart) is killed instead: nothing is in flight yet, and
+        tritonserver heeds SIGINT only once its load is done, minutes for a large checkpoint."""
+        if not self.serving:
+            self.server.kill()
+            return None
         if self.server.is_alive():
             self._drain(grace_s, 5.0)
             self._unload(self.orchestrator)

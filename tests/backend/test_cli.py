@@ -129,6 +129,8 @@ def _started_supervisor(tmp_path, run, shutdown):
     """A Supervisor whose server started: ``run()`` is its serving, ``shutdown(grace)`` its drain."""
 
     class Supervisor:
+        serving = True
+
         def __init__(self, server, control):
             self.server = server
             server.pid, server.grpc_url, server.http_url, server.metrics_url = 1, "g", "h", "m"
@@ -153,6 +155,8 @@ def test_a_second_signal_during_the_drain_stops_the_server_at_once_and_cleans_up
     from lightspec_backend import supervisor
 
     class Supervisor:
+        serving = True
+
         def __init__(self, server, control):
             self.server, self.control = server, control
 

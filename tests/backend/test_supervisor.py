@@ -27,6 +27,9 @@ class RecordingServer:
     def kill(self) -> None:
         self.killed_at = time.monotonic()
 
+    def stop(self) -> int | None:
+        return None
+
     def start(self, timeout_s: float) -> None:
         pass
 
@@ -82,3 +85,26 @@ def test_an_orchestrator_that_never_answers_delays_the_restart_by_a_bounded_time
         stop.set()
     assert server.killed_at is not None
     assert server.killed_at - t0 < 0.3 + 1.0 + 0.5 + 1.0  # the drain's wait (settle_s + 1 s), the pause, slack
+
+
+class LoadingServer(RecordingServer):
+    """A server still loading its models when the user's Ctrl-C arrives (raised from ``start``, as
+    serve's signal handler raises it from the readiness wait)."""
+
+    def start(self, timeout_s: float) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_signal_while_the_server_loads_stops_it_at_once_without_a_drain(tmp_path):
+    """Nothing is in flight before the first readiness, and tritonserver heeds SIGINT only once its
+    load is done: the drain would wait its whole grace for an orchestrator that is not there yet."""
+    server = LoadingServer()
+    sup = Supervisor(server, tmp_path / "control", log=lambda msg: None)
+    try:
+        sup.start()
+    except KeyboardInterrupt:
+        pass
+    t0 = time.monotonic()
+    sup.shutdown(grace_s=30.0)
+    assert server.killed_at is not None and server.killed_at - t0 < 1.0
+    assert sup.control.drain_deadline() is None  # no drain was asked of anyone
