@@ -65,6 +65,41 @@ def bls_parameters(params: dict | str | None) -> dict[str, bool | int | str]:
     return out
 
 
+def trtllm_inputs(arrays: dict[str, np.ndarray], params: dict) -> dict[str, np.ndarray]:
+    """TensorRT-LLM's meaning of its inputs where it differs from the vLLM backend's, which
+    ``lightspec`` follows (``arrays``: the unbatched inputs; ``params``: the request parameters):
+
+    - ``top_p <= 0`` is unset (its ``tensorrt_llm`` model drops it);
+    - with neither ``top_k > 0`` nor ``top_p`` it decodes greedily whatever the temperature (its
+      sampling kernels turn k = 0, p = 0 into k = 1), and its clients send ``temperature`` 1.0 by
+      default: the temperature is dropped, and ``lightspec`` decodes greedily as TensorRT-LLM would;
+      with one of them and no temperature it samples at its default temperature, 1.0;
+    - its streamed responses never carry the prompt, so ``exclude_input_in_output`` false (its
+      end-to-end client's default) is dropped when streaming, where ``lightspec`` would refuse it.
+
+    Sampling set by request parameters or ``sampling_parameters`` is the vLLM convention's and left
+    as it is."""
+    out = dict(arrays)
+
+    def value(name: str):
+        arr = out.get(name)
+        return None if arr is None or arr.size != 1 else arr.reshape(-1)[0].item()
+
+    top_p = value("top_p")
+    if top_p is not None and top_p <= 0:
+        del out["top_p"]
+    vllm_style = "sampling_parameters" in out or any(k in params for k in ("temperature", "top_k", "top_p"))
+    if not vllm_style:
+        if (value("top_k") or 0) <= 0 and "top_p" not in out:
+            out.pop("temperature", None)
+        elif "temperature" not in out:  # TensorRT-LLM's default temperature; lightspec's is 0
+            out["temperature"] = np.array([1.0], np.float32)
+    streaming = value("stream") if "stream" in out else stream_parameter(params)
+    if streaming and value("exclude_input_in_output") is False:
+        del out["exclude_input_in_output"]
+    return out
+
+
 def is_last(outputs: dict[str, np.ndarray]) -> bool:
     """``lightspec`` sets ``finish_reason`` on its final data response only."""
     reason = outputs.get("finish_reason")
@@ -113,10 +148,13 @@ class BatchedFront:
 
     def _bls_request(self, request):
         pb = self.pb
-        inputs = [pb.Tensor(t.name(), unbatch(t.name(), t.as_numpy())) for t in request.inputs()]
+        sent = request.parameters() if hasattr(request, "parameters") else None
+        arrays = trtllm_inputs({t.name(): unbatch(t.name(), t.as_numpy()) for t in request.inputs()},
+                               load_parameters(sent))  # fmt: skip
+        inputs = [pb.Tensor(name, arr) for name, arr in arrays.items()]
         wanted = request.requested_output_names()
         names = sorted(set(wanted) | {"finish_reason"}) if wanted else OUTPUT_NAMES
-        params = bls_parameters(request.parameters() if hasattr(request, "parameters") else None)
+        params = bls_parameters(sent)
         kwargs = {"parameters": params} if params else {}
         return pb.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=names, **kwargs)
 

@@ -110,11 +110,9 @@ def _stop_words(get: Getter) -> list[str]:
     arr = get("stop_words")
     if arr is None:
         return []
-    words = [_decode("stop_words", w) for w in _vector("stop_words", arr)]
-    if not any(words):  # TensorRT-LLM clients send "" for "no stop words"
-        return []
-    if any(not w for w in words):
-        raise ValueError(f"stop_words={words!r}: stop strings must be non-empty")
+    # TensorRT-LLM clients send "" for "no stop words", and its preprocessing skips a word that
+    # encodes to nothing
+    words = [w for w in (_decode("stop_words", w) for w in _vector("stop_words", arr)) if w]
     check_stop_strings("stop_words", words)
     return words
 
@@ -149,6 +147,13 @@ def _tensor_fields(get: Getter) -> tuple[dict, dict[str, str]]:
         if field in origin:
             raise ValueError(f"{name}: give either {origin[field]} or {name}, not both")
         kwargs[field], origin[field] = cast(v), name
+    if kwargs.get("top_k") == -1:  # vLLM's spelling of "off" (HTTP generate's top_k key is this input)
+        kwargs["top_k"] = 0
+    if kwargs.get("end_id") == -1:  # TensorRT-LLM's spelling of "no end token": nothing ends the output
+        if kwargs.get("ignore_eos") is False:
+            raise ValueError("end_id=-1: means no end token, and ignore_eos=false asks for one; send either")
+        del kwargs["end_id"]
+        kwargs["ignore_eos"] = True
     stop = _stop_words(get)
     if stop:
         kwargs["stop"], origin["stop"] = stop, "stop_words"

@@ -311,12 +311,17 @@ def check_checkpoints(config: BackendConfig) -> None:
 def check_single_instance(model_config: dict) -> None:
     """Every LightSpec model must run as exactly one instance: the orchestrator's engine allocates
     KV blocks for one pool per KV stage, and a second instance of either would own blocks (or a
-    pool) the other does not know about."""
-    counts = [int(g.get("count", 1)) for g in model_config.get("instance_group", [])]
-    if sum(counts) > 1:
+    pool) the other does not know about. A GPU group's ``count`` is per GPU it lists, and the
+    configuration a model receives lists every visible GPU where the file named none."""
+    total = 0
+    for group in model_config.get("instance_group", []):
+        gpus = group.get("gpus") or []
+        on_gpus = group.get("kind", "KIND_AUTO") != "KIND_CPU" and len(gpus) > 0
+        total += int(group.get("count", 1)) * (len(gpus) if on_gpus else 1)
+    if total > 1:
         raise ValueError(
-            f"instance_group: count={sum(counts)}: LightSpec models need exactly one instance "
-            "(one engine owns the stages' KV pools)"
+            f"instance_group: {total} instances: LightSpec models need exactly one instance "
+            "(one engine owns the stages' KV pools; a KIND_GPU group needs gpus: [N], one GPU)"
         )
 
 
@@ -356,7 +361,10 @@ def check_stage_configs(config: BackendConfig, repository: str | Path) -> list[s
                        f"(it needs speculation: mtp and mtp: {FUSED} in {path})")
         keys = ["model_dir", *(["mtp_dir"] if stage == "mtp" or fused else []),
                 *(["draft_dir"] if stage == "draft" else [])]
-        keys += list(KV_PARAMS) if stage != "mtp" else []
+        # what sizes and indexes the pools: with kv_cache_memory the block count follows the bytes
+        # a block takes (dtype; a draft model's pool beside the target's) and the rope table the
+        # context (max_model_len)
+        keys += [*KV_PARAMS, "dtype", "max_model_len", "speculation"] if stage != "mtp" else []
         for key in keys:
             a, b = getattr(mine, key), getattr(theirs.engine, key)
             if a != b:

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 from lightspec_backend.conventions import parse_request_parameters, stream_parameter
-from lightspec_backend.front import BatchedFront, batch, bls_parameters, is_last, unbatch
+from lightspec_backend.front import BatchedFront, batch, bls_parameters, is_last, trtllm_inputs, unbatch
 
 from tests.fakes import FakePbUtils, FakeTensor
 
@@ -74,3 +74,38 @@ def test_bls_request_carries_the_parameters_in_the_form_the_stub_accepts():
     bls = BatchedFront(pb, "lightspec")._bls_request(BatchedRequest('{"stream": true, "temperature": 0.5}'))
     assert bls.model_name == "lightspec" and bls.inputs["text_input"].as_numpy().shape == (1,)
     assert seen["parameters"] == {"stream": True, "temperature": "0.5"}
+
+
+def _arrays(**values) -> dict[str, np.ndarray]:
+    dtypes = {bool: np.bool_, int: np.int32, float: np.float32}
+    return {k: np.array([v], dtypes[type(v)]) for k, v in values.items()}
+
+
+def _sampling(arrays: dict[str, np.ndarray]) -> dict:
+    return {k: a.item() for k, a in arrays.items() if k in ("temperature", "top_k", "top_p")}
+
+
+def test_trtllm_temperature_without_top_k_or_top_p_decodes_greedily_as_tensorrt_llm_does():
+    # its end-to-end client sends temperature 1.0 and nothing else; its kernels make k=0, p=0 greedy
+    assert _sampling(trtllm_inputs(_arrays(temperature=1.0), {})) == {}
+    assert _sampling(trtllm_inputs(_arrays(temperature=0.7, top_k=0, top_p=0.0), {})) == {"top_k": 0}
+    assert _sampling(trtllm_inputs(_arrays(temperature=0.7, top_p=-1.0), {})) == {}  # top_p <= 0: unset
+
+
+def test_trtllm_top_k_or_top_p_samples_at_its_temperature_or_its_default_one():
+    assert _sampling(trtllm_inputs(_arrays(temperature=0.7, top_k=5), {})) == pytest.approx({"temperature": 0.7, "top_k": 5})
+    assert _sampling(trtllm_inputs(_arrays(top_p=0.9), {})) == pytest.approx({"temperature": 1.0, "top_p": 0.9})
+
+
+def test_vllm_style_sampling_on_the_batched_front_is_left_as_sent():
+    assert _sampling(trtllm_inputs(_arrays(temperature=0.5), {"top_k": 3})) == {"temperature": 0.5}
+    sp = {"sampling_parameters": np.array([b'{"temperature": 0.5}'], dtype=object)}
+    assert "temperature" not in trtllm_inputs(sp, {}) and "sampling_parameters" in trtllm_inputs(sp, {})
+
+
+def test_trtllm_streaming_with_the_prompt_requested_streams_the_new_text_only():
+    streamed = trtllm_inputs(_arrays(stream=True, exclude_input_in_output=False), {})
+    assert "exclude_input_in_output" not in streamed  # lightspec would refuse the pair
+    assert "exclude_input_in_output" not in trtllm_inputs(_arrays(exclude_input_in_output=False), {"stream": True})
+    whole = trtllm_inputs(_arrays(stream=False, exclude_input_in_output=False), {})
+    assert whole["exclude_input_in_output"].item() is False  # not streaming: the prompt leads the text

@@ -77,13 +77,12 @@ def test_utf8_text_is_decoded():
         ({"text_input": "a", "temperature": float("nan")}, "temperature=nan"),
         ({"text_input": "a", "top_p": 0.0}, "top_p=0.0"),
         ({"text_input": "a", "top_p": 1.5}, "top_p=1.5"),
-        ({"text_input": "a", "top_k": -1}, "top_k=-1"),
+        ({"text_input": "a", "top_k": -2}, "top_k=-2"),
         ({"text_input": "a", "num_draft_tokens": -2}, "num_draft_tokens=-2"),
         ({"text_input": "a", "sampling_parameters": '{"top_k": 1e20}'}, "sampling_parameters: top_k=100000000000000000000"),
         ({"text_input": "a", "sampling_parameters": '{"max_tokens": "+-5"}'}, "sampling_parameters: max_tokens='+-5'"),
         ({"text_input": "a", "sampling_parameters": '{"seed": "²"}'}, "sampling_parameters: seed='²'"),
         ({"text_input": "a", "stream_interval": 0}, "stream_interval=0: must be a positive integer"),
-        ({"text_input": "a", "stop_words": ["ok", ""]}, "stop_words="),
         ({"text_input": "a", "stop_words": [b"\xc3"]}, "stop_words: invalid UTF-8"),
         ({"text_input": "a", "stop_words": ["w"] * 10_000}, "stop_words: 10000 stop strings, at most 64"),
         ({"text_input": "a", "stop_words": ["w" * 300]}, "stop_words: a stop string of 300 characters"),
@@ -265,3 +264,12 @@ def test_stream_as_a_request_parameter():
     assert not parse_request(getter(text_input="x"), parameters={"stream": False}).stream
     with pytest.raises(ValueError, match=r"^stream: given both"):
         parse_request(getter(text_input="x", stream=True), parameters={"stream": True})
+
+
+def test_tensor_spellings_of_off_as_vllm_and_tensorrt_llm_send_them():
+    r = parse_request(getter(text_input="x", top_k=-1, end_id=-1, stop_words=["ok", ""]))
+    assert r.params.top_k == 0  # vLLM: top_k -1 is off
+    assert r.params.end_id is None and r.params.ignore_eos  # TensorRT-LLM: end_id -1, no end token
+    assert r.params.stop == ["ok"]  # TensorRT-LLM skips a stop word that encodes to nothing
+    with pytest.raises(ValueError, match=r"^end_id=-1: means no end token, and ignore_eos=false"):
+        parse_request(getter(text_input="x", end_id=-1, ignore_eos=False))

@@ -171,8 +171,25 @@ def test_stage_with_wrong_role_is_rejected(tmp_path):
 def test_models_must_run_as_a_single_instance():
     check_single_instance({"instance_group": [{"count": 1, "kind": "KIND_CPU"}]})
     check_single_instance({})
-    with pytest.raises(ValueError, match="instance_group: count=2"):
+    with pytest.raises(ValueError, match="instance_group: 2 instances"):
         check_single_instance({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]})
+    check_single_instance({"instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [1]}]})
+    # Triton makes count instances on every GPU listed, and lists every visible one where none was named
+    with pytest.raises(ValueError, match="instance_group: 2 instances"):
+        check_single_instance({"instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}]})
+
+
+@pytest.mark.parametrize("key, value, speculation", [("dtype", "bfloat16", "mtp"), ("max_model_len", "256", "mtp"),
+                                                     ("speculation", "none", "draft")])  # fmt: skip
+def test_a_stage_that_would_size_or_index_its_pool_differently_is_a_load_error(tmp_path, key, value, speculation):
+    # with kv_cache_memory the blocks are bytes / block size: dtype and a draft pool change it
+    repo = write_model_repository(tmp_path, {**BLS, "kv_cache_memory": "8MiB", "speculation": speculation})
+    target_cfg = repo / "lightspec_target" / "config.pbtxt"
+    # appended after the list, a key's second value is the one the parser keeps
+    target_cfg.write_text(target_cfg.read_text() + f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n')
+    cfg = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"), base_dir=repo)
+    with pytest.raises(ValueError, match=rf"{key}=.*differs from stage model 'lightspec_target'"):
+        check_stage_configs(cfg, repo)
 
 
 def test_missing_checkpoint_names_the_parameter(tmp_path, smoke_model):

@@ -149,6 +149,16 @@ def test_trtllm_style_non_streaming_returns_one_batched_response_with_the_prompt
     assert result.as_numpy("text_output")[0, 0].decode() == PROMPT + greedy(reference, 12, min_tokens=12)
 
 
+def test_trtllm_end_to_end_client_defaults_stream_greedy_text(server, reference):
+    # its client streams with exclude_input_in_output false and temperature 1.0, no top_k or top_p:
+    # TensorRT-LLM decodes that greedily and streams only the new text
+    inputs = batched_inputs(text_input=PROMPT, max_tokens=24, stream=True, exclude_input_in_output=False,
+                            temperature=1.0, end_id=-1, pad_id=2)  # fmt: skip
+    results, err = grpc_stream(server.grpc_url, "lightspec_batched", inputs)
+    assert err is None, err
+    assert text_of(results) == greedy(reference, 24, ignore_eos=True)
+
+
 def test_trtllm_beam_width_2_is_invalid_arg_naming_it(server):
     inputs = batched_inputs(text_input=PROMPT, max_tokens=4, beam_width=2)
     _, err = grpc_stream(server.grpc_url, "lightspec_batched", inputs)
