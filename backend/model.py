@@ -204,7 +204,7 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     from lightspec_backend.stage import StageModel
 
     from lightspec_core.config import resolve_dirs
-    from lightspec_core.engine.build import check_draft_context
+    from lightspec_core.engine.build import check_draft_context, with_draft_tokens
     from lightspec_core.engine.kv_budget import with_kv_budget
     from lightspec_core.models.llama import LlamaConfig
     from lightspec_core.stages.memory import keep_freed_memory
@@ -226,7 +226,9 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     # the pool's blocks come from the target's geometry in every process; the target stage, which
     # holds the weights and the pool, checks that they fit
     model = LlamaConfig.from_dir(target)
-    cfg = with_kv_budget(cfg, model, target, allow_fraction=False, check_fit=config.role is Role.TARGET)
+    # max_draft_tokens as the engine resolves it: the profile taken here is then the one it asks for
+    cfg = with_kv_budget(with_draft_tokens(cfg), model, target, allow_fraction=False,
+                         check_fit=config.role is Role.TARGET)
     ctx = cfg.context_length(model.max_position_embeddings)  # served: the model must compute it exactly
     if config.role is Role.MTP:
         runner = MTPRunner(target, mtp, device, max_context=ctx)

@@ -139,6 +139,7 @@ def parse_policy(policy: str) -> tuple[str, int | None]:
 DTYPES = ("float32", "bfloat16", "float16")  # of the target's and draft's weights and KV pools
 MTP_FUSED = "fused"  # the target stage runs the MTP heads right after its forward
 MTP_LOCAL = "local"  # the heads run in the engine's process (the orchestrator's, in a server)
+DEFAULT_MAX_DRAFT_TOKENS = 4  # unset max_draft_tokens: this, or the MTP heads' number where smaller
 
 
 @dataclass
@@ -168,6 +169,8 @@ class EngineConfig:
     ``enable_prefix_caching`` (on by default, as in vLLM): full blocks of computed K/V (prompt or
     verified output) are kept, keyed by their tokens and everything before them, for later requests
     whose prompts start the same way (``engine.block_manager``).
+    ``max_draft_tokens`` unset: 4, or the MTP heads' number where they are fewer (an engine reads it
+    from ``mtp_dir``: ``engine.build.with_draft_tokens``); set above that number, the engine refuses it.
     ``num_threads``: torch's intra-op threads (0: torch's default, one per CPU); ``decode_threads``:
     those of a target or draft call in which every request feeds one token (0: as the others). A
     server sets it to one per CPU but one (see ``lightspec_backend.params``). ``decode_nice`` (-20..0;
@@ -181,7 +184,7 @@ class EngineConfig:
     draft_dir: str | None = None
     speculation: str = "mtp"
     policy: str = "dynamic"
-    max_draft_tokens: int = 4
+    max_draft_tokens: int | None = None
     num_kv_blocks: int = 1024
     block_size: int = 16
     max_num_seqs: int = 64
@@ -210,7 +213,7 @@ class EngineConfig:
         except ValueError:
             raise _bad("speculation", self.speculation, "expected one of mtp, draft, ngram, none") from None
         self.policy_kind, self.static_k = parse_policy(self.policy)
-        if not 0 <= self.max_draft_tokens <= 16:
+        if self.max_draft_tokens is not None and not 0 <= self.max_draft_tokens <= 16:
             raise _bad("max_draft_tokens", self.max_draft_tokens, "must be in 0..16")
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             v = getattr(self, name)
@@ -236,8 +239,8 @@ class EngineConfig:
             raise _bad("dtype", self.dtype, f"expected one of {', '.join(DTYPES)}")
         if not isinstance(self.mtp, str) or not self.mtp.strip():
             raise _bad("mtp", self.mtp, f"expected {MTP_FUSED}, {MTP_LOCAL} or the name of a stage model")
-        if self.static_k is not None and self.static_k > self.max_draft_tokens:
-            raise _bad("policy", self.policy, f"K exceeds max_draft_tokens={self.max_draft_tokens}")
+        if self.static_k is not None and self.static_k > self.draft_limit:
+            raise _bad("policy", self.policy, f"K exceeds max_draft_tokens={self.draft_limit}")
 
     def context_length(self, max_position_embeddings: int) -> int:
         """The longest sequence served: the model's, ``max_model_len`` and the KV pool's, whichever is least."""
@@ -255,8 +258,13 @@ class EngineConfig:
         return self.confidence_stop and self.method is SpecMethod.MTP and self.policy_kind == "dynamic"
 
     @property
+    def draft_limit(self) -> int:
+        """``max_draft_tokens``, or the default where it is unset and no engine has resolved it yet."""
+        return DEFAULT_MAX_DRAFT_TOKENS if self.max_draft_tokens is None else self.max_draft_tokens
+
+    @property
     def speculative(self) -> bool:
-        return self.method is not SpecMethod.NONE and self.policy_kind != "off" and self.max_draft_tokens > 0
+        return self.method is not SpecMethod.NONE and self.policy_kind != "off" and self.draft_limit > 0
 
 
 def cache_dir() -> Path:

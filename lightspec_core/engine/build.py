@@ -3,12 +3,15 @@ that a configuration's checkpoints fit together."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from ..config import EngineConfig, SpecMethod, resolve_dirs
+from ..config import DEFAULT_MAX_DRAFT_TOKENS, EngineConfig, SpecMethod, resolve_dirs
 from ..models.llama import LlamaConfig
+from ..models.mtp_heads import MTPConfig
 from ..models.tokenizer import TokenizerInfo
 from ..spec.draft import DraftModelProposer
 from ..spec.mtp import MTPProposer
@@ -18,10 +21,40 @@ from ..stages.executor import Executor, LocalExecutor
 from ..stages.mtp import MTPRunner
 from ..stages.target import ModelRunner
 
+log = logging.getLogger("lightspec")
+
 
 def served_context(cfg: EngineConfig, target_dir: str) -> int:
     """The longest sequence an engine of this configuration serves with this target."""
     return cfg.context_length(LlamaConfig.from_dir(target_dir).max_position_embeddings)
+
+
+def with_draft_tokens(cfg: EngineConfig) -> EngineConfig:
+    """``cfg`` with ``max_draft_tokens`` set. Unset, it is the default, lowered to the number of MTP
+    heads in ``mtp_dir`` where they are fewer, so that heads trained with ``--heads 2`` serve with
+    default settings. Set above that number, or a ``static:K`` policy above it, is a ``ValueError``:
+    no proposer drafts past its last head. A server's stages resolve it too, so that the profile
+    they take while loading is the one the engine asks for (``ProfileSpec.for_engine``)."""
+    k, mtp_dir = cfg.max_draft_tokens, resolve_dirs(cfg)[1]
+    heads = _mtp_heads(cfg, mtp_dir)
+    why = f"the MTP heads in {mtp_dir} draft at most {heads} tokens"
+    if heads is not None and k is not None and k > heads:
+        raise ValueError(f"max_draft_tokens={k}: {why}; set max_draft_tokens to at most {heads}, or leave it unset")
+    if heads is not None and cfg.static_k is not None and cfg.static_k > heads:
+        raise ValueError(f"policy={cfg.policy!r}: {why}; use static:{heads} or less")
+    if k is None:
+        k = DEFAULT_MAX_DRAFT_TOKENS if heads is None else min(DEFAULT_MAX_DRAFT_TOKENS, heads)
+        if k < DEFAULT_MAX_DRAFT_TOKENS:
+            log.info("max_draft_tokens unset: %d, the number of MTP heads in %s", k, mtp_dir)
+    return dataclasses.replace(cfg, max_draft_tokens=k)
+
+
+def _mtp_heads(cfg: EngineConfig, mtp_dir: str) -> int | None:
+    """The number of MTP heads an MTP-speculating engine proposes with; None for other engines, and
+    where ``mtp_config.json`` is missing (the heads' runner refuses that when it loads them)."""
+    if cfg.method is not SpecMethod.MTP or not cfg.speculative or not (Path(mtp_dir) / "mtp_config.json").is_file():
+        return None
+    return MTPConfig.from_dir(mtp_dir).num_heads
 
 
 def check_same_vocabulary(target: LlamaConfig, target_tok: TokenizerInfo, draft_dir: str) -> None:

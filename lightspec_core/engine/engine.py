@@ -30,7 +30,7 @@ from ..spec.proposer import Proposal
 from ..spec.verify import verify_greedy, verify_rejection
 from ..stages.executor import Executor
 from .block_manager import BlockManager
-from .build import build_local_executor, check_same_vocabulary, make_proposer
+from .build import build_local_executor, check_same_vocabulary, make_proposer, with_draft_tokens
 from .kv_budget import with_kv_budget
 from .outputs import RequestDelta, RequestOutput
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
@@ -67,8 +67,8 @@ class LLMEngine:
         if cfg.method is SpecMethod.DRAFT:
             check_same_vocabulary(self.model_config, self.tok, draft_dir)
         # in process the pool is here; a server's stages check their own (see kv_budget)
-        self.config = cfg = with_kv_budget(cfg, self.model_config, target_dir, allow_fraction=executor is None,
-                                           check_fit=executor is None)
+        self.config = cfg = with_kv_budget(with_draft_tokens(cfg), self.model_config, target_dir,
+                                           allow_fraction=executor is None, check_fit=executor is None)
         self.max_model_len = cfg.context_length(self.model_config.max_position_embeddings)
         self.model_config.check_context(self.max_model_len)  # refused here, naming the field, before any load
         self._eos = frozenset(self.model_config.eos_token_ids)

@@ -80,8 +80,11 @@ class MTPHeads(nn.Module):
         mtp_dir.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(mtp_dir / "mtp.safetensors"))
         (mtp_dir / "mtp_config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        vocab_file = mtp_dir / "draft_vocab.json"
         if self.draft_vocab:
-            (mtp_dir / "draft_vocab.json").write_text(json.dumps({"token_ids": self.draft_vocab}) + "\n")
+            vocab_file.write_text(json.dumps({"token_ids": self.draft_vocab}) + "\n")
+        else:  # an earlier save's vocabulary would make load() restrict these full-vocabulary heads
+            vocab_file.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, mtp_dir: str | Path) -> MTPHeads:

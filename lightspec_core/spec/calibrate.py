@@ -54,7 +54,7 @@ class ProfileSpec:
     def for_engine(cls, cfg: EngineConfig, model: LlamaConfig, max_model_len: int) -> ProfileSpec:
         """The profile an engine of this configuration plans with (a stage computes the same from
         its own copy of the configuration, so it can take it while it loads)."""
-        return cls(cfg.method, cfg.max_draft_tokens if cfg.speculative else 0, cfg.block_size, cfg.num_kv_blocks,
+        return cls(cfg.method, cfg.draft_limit if cfg.speculative else 0, cfg.block_size, cfg.num_kv_blocks,
                    cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, model.hidden_size,
                    vocab_size=model.vocab_size, fused_mtp=cfg.fused_mtp)
 

@@ -92,9 +92,10 @@ def greedy_windows(
     starts = torch.randint(0, len(data) - prompt_len, (n,), generator=gen).tolist()
     prompts = [data[s : s + prompt_len].tolist() for s in starts]
     chunk = 64
+    # served context: one window, not the whole pool, whose length may pass the model's attention window
     config = EngineConfig(model_dir=str(model_dir), speculation="none", policy="off", max_num_seqs=chunk,
                           num_kv_blocks=chunk * -(-(prompt_len + gen_len) // 16), block_size=16,
-                          profile_stages=False, device=device)  # fmt: skip
+                          max_model_len=prompt_len + gen_len, profile_stages=False, device=device)  # fmt: skip
     engine = LLMEngine(config)
     t0, rows = time.perf_counter(), []
     try:

@@ -22,11 +22,14 @@ def agreement(
     token t+i+1 (the windows are the target's greedy continuations); ``"target"``: the target's
     greedy token at t+i, computed here (the windows are text)."""
     k = mtp.config.num_heads
-    vocab = torch.tensor(mtp.draft_vocab) if mtp.draft_vocab else None
-    agree, chain, count = torch.zeros(k), 0.0, 0
+    dev = next(mtp.parameters()).device  # the target's too; windows and draft vocabulary come on the CPU
+    vocab = torch.tensor(mtp.draft_vocab, device=dev) if mtp.draft_vocab else None
+    agree, chain, count = torch.zeros(k, device=dev), 0.0, 0
     t_end = windows.shape[1] - 1 - k
-    assert t_end > first, f"windows of {windows.shape[1]} tokens are too short for {k} heads from {first}"
-    for rows in windows.split(16):
+    if t_end <= first:
+        raise ValueError(f"windows of {windows.shape[1]} tokens are too short to evaluate {k} heads from "
+                         f"position {first}: they need {first + k + 2}")  # fmt: skip
+    for rows in windows.to(dev).split(16):
         hid = target.forward_train(rows)
         following = rows[:, 1:] if labels == "window" else target.lm_head(hid).argmax(-1)  # token after t
         ok = None

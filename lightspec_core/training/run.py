@@ -43,10 +43,10 @@ SETTINGS_HELP = {
 }
 
 
-def default_settings(target: LlamaModel) -> dict:
-    cfg = target.config
+def default_settings(cfg: LlamaConfig) -> dict:
+    seq = min(256, cfg.max_position_embeddings, cfg.sliding_window or 256)  # see check_context
     return {"heads": 4, "draft_vocab": min(1024, cfg.vocab_size), "intermediate_size": 2 * cfg.hidden_size,
-            "seq": min(256, cfg.max_position_embeddings), "batch": 16, "lr": 2e-3, "share": 0.5,
+            "seq": seq, "batch": 16, "lr": 2e-3, "share": 0.5,
             "continuations": 2048, "seed": 0}  # fmt: skip
 
 
@@ -67,7 +67,8 @@ def resolve_settings(args: argparse.Namespace, defaults: dict, saved: dict | Non
 def check_settings(s: dict) -> None:
     rules = [("heads", s["heads"] >= 1, "must be >= 1"), ("draft_vocab", s["draft_vocab"] >= 0, "must be >= 0"),
              ("intermediate_size", s["intermediate_size"] >= 1, "must be >= 1"),
-             ("seq", s["seq"] >= s["heads"] + 2, f"must be >= heads + 2 = {s['heads'] + 2}"),
+             # the evaluation drafts from a window's middle, with every head inside the window
+             ("seq", s["seq"] >= 2 * s["heads"] + 1, f"must be >= 2 * heads + 1 = {2 * s['heads'] + 1}"),
              ("batch", s["batch"] >= 1, "must be >= 1"), ("lr", s["lr"] > 0, "must be > 0"),
              ("share", 0.0 <= s["share"] <= 1.0, "must be in [0, 1]"),
              ("continuations", s["continuations"] >= 0, "must be >= 0")]  # fmt: skip
@@ -76,8 +77,20 @@ def check_settings(s: dict) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {s[name]}: {why}")
 
 
-def load_target(model_dir: Path, device: str):
-    """(target model, tokenizer), or a ``UsageError`` naming ``--model``. The tokenizer is checked
+def check_context(seq: int, cfg: LlamaConfig) -> None:
+    """Windows of ``seq`` tokens, the longest training and its continuations use, must be ones the
+    model computes exactly: within its positions, its attention window and its rope scaling."""
+    for name, limit in (("max_position_embeddings", cfg.max_position_embeddings), ("sliding_window", cfg.sliding_window)):
+        if limit is not None and seq > limit:
+            raise UsageError(f"--seq {seq}: must be <= the model's {name} {limit}")
+    try:
+        cfg.check_context(seq)  # anything else that limits it (rope scaling), named by the config
+    except ValueError as e:
+        raise UsageError(f"--seq {seq}: {e}") from None
+
+
+def read_target(model_dir: Path):
+    """(target config, tokenizer), or a ``UsageError`` naming ``--model``. The tokenizer is checked
     against config.json before any weight is read: ids past the embedding would fail mid-run."""
     from tokenizers import Tokenizer
 
@@ -85,18 +98,24 @@ def load_target(model_dir: Path, device: str):
         if not (model_dir / name).is_file():
             raise UsageError(f"--model {model_dir}: no {name} (expected a Hugging Face checkpoint directory)")
     try:
-        vocab_size = LlamaConfig.from_dir(model_dir).vocab_size
+        cfg = LlamaConfig.from_dir(model_dir)
     except (ValueError, OSError) as e:  # the config parser names the field it refuses
         raise UsageError(f"--model {model_dir}: {e}") from None
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    if (n := tok.get_vocab_size(with_added_tokens=True)) > vocab_size:
+    if (n := tok.get_vocab_size(with_added_tokens=True)) > cfg.vocab_size:
         raise UsageError(f"--model {model_dir}: tokenizer.json has {n} tokens, more than the model's "
-                         f"vocab_size {vocab_size}")  # fmt: skip
+                         f"vocab_size {cfg.vocab_size}")  # fmt: skip
+    return cfg, tok
+
+
+def load_target(model_dir: Path, seq: int, device: str) -> LlamaModel:
+    """The target's weights for windows of at most ``seq`` tokens (see :func:`check_context`), or a
+    ``UsageError`` naming ``--model``."""
     try:
-        target = LlamaModel.load(model_dir)
+        target = LlamaModel.load(model_dir, max_context=seq)
     except (ValueError, OSError, RuntimeError) as e:  # missing, unexpected or misshapen weights
         raise UsageError(f"--model {model_dir}: {e}") from None
-    return target.to(device), tok
+    return target.to(device)
 
 
 @dataclass
@@ -125,8 +144,9 @@ def load_corpus(paths: list[str], tok, eos_id: int | None, seq: int, heads: int)
                     len(files), len(train_docs), len(held_docs))  # fmt: skip
     if len(corpus.train) < seq + 2:
         raise UsageError(f"--data: {len(corpus.train)} tokens of training text, --seq {seq} needs {seq + 2}")
-    if len(corpus.heldout) < heads + 3:
-        raise UsageError(f"--data: {len(corpus.heldout)} held-out tokens, too few to evaluate {heads} heads")
+    if len(corpus.heldout) < 2 * heads + 2:  # a window of 2 * heads + 1 tokens and the token after it
+        raise UsageError(f"--data: {len(corpus.heldout)} held-out tokens, too few to evaluate {heads} heads "
+                         f"(they need {2 * heads + 2})")  # fmt: skip
     return corpus
 
 
@@ -170,17 +190,27 @@ def progress_bar(budget: Budget, progress: Progress, clock: Clock, enabled: bool
     return bar, on_step
 
 
-def run(args: argparse.Namespace) -> dict | None:
-    """The whole run; returns the evaluation (also written to ``OUT/eval.json``), or None when a
-    signal stopped it (``OUT/checkpoint.pt`` then holds it)."""
+def check_arguments(args: argparse.Namespace) -> Budget:
+    """The run's budget, once the options a checkpoint does not keep are checked."""
     try:
         budget = Budget(args.minutes, args.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.eval_windows < 1:
+        raise UsageError(f"--eval-windows {args.eval_windows}: must be >= 1")
+    return budget
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """The whole run; returns the evaluation (also written to ``OUT/eval.json``), or None when a
+    signal stopped it (``OUT/checkpoint.pt`` then holds it)."""
+    budget = check_arguments(args)
     saved = _previous_run(args.out, args.resume)
     clock = Clock(saved["progress"]["elapsed"] if saved else 0.0)
-    target, tok = load_target(args.model, args.device)
-    s = resolve_settings(args, default_settings(target), saved["settings"] if saved else None)
+    target_cfg, tok = read_target(args.model)
+    s = resolve_settings(args, default_settings(target_cfg), saved["settings"] if saved else None)
+    check_context(s["seq"], target_cfg)
+    target = load_target(args.model, s["seq"], args.device)
     corpus = load_corpus(args.data, tok, target.config.eos_token_id, s["seq"], s["heads"])
     if saved and saved["data"]["train_tokens"] != len(corpus.train):
         raise UsageError(f"--data: {len(corpus.train)} training tokens, the checkpoint's run had "
@@ -268,7 +298,9 @@ def saved_or_generated(args, s: dict, corpus: Corpus, budget: Budget, saved: dic
 @torch.no_grad()
 def finish(args, target, mtp: MTPHeads, corpus: Corpus, held: torch.Tensor, s: dict, progress: Progress,
            generated: torch.Tensor | None) -> dict:  # fmt: skip
-    """Evaluate on held-out text and continuations; write the heads and eval.json beside them."""
+    """Write the heads, then evaluate them on held-out text and continuations into eval.json beside
+    them (the heads first: a failed evaluation must not lose the budget's training)."""
+    mtp.save(args.out)
     length = held.shape[1]
     gen = torch.Generator().manual_seed(s["seed"] + 3)
     text = next(batches(corpus.heldout, args.eval_windows, length - 1, gen))
@@ -290,6 +322,5 @@ def finish(args, target, mtp: MTPHeads, corpus: Corpus, held: torch.Tensor, s: d
                  "heldout_continuations": len(held), "heldout_text_windows": len(text), "window": length},
         "settings": s,
     }  # fmt: skip
-    mtp.save(args.out)
     (args.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from lightspec_core.models.llama import LlamaModel
@@ -57,3 +58,10 @@ def test_on_the_targets_continuations_its_greedy_tokens_are_the_windows_tokens(s
     assert agreement(target, mtp, windows, 7, labels="target") == agreement(target, mtp, windows, 7)
     heads = head_acceptance(target, mtp, smoke_text[:320].long().view(10, 32))
     assert len(heads) == 4 and all(0.0 <= a <= 1.0 for a in heads)
+
+
+def test_windows_too_short_for_the_heads_are_an_error_naming_the_length_they_need(smoke_model):
+    target, mtp = LlamaModel.load(smoke_model / "target"), MTPHeads.load(smoke_model / "mtp")
+    windows = torch.zeros((2, 8), dtype=torch.int64)  # 4 heads from position 3 need 3 + 4 + 2 tokens
+    with pytest.raises(ValueError, match="windows of 8 tokens are too short to evaluate 4 heads .* need 9"):
+        agreement(target, mtp, windows, 3)

@@ -9,9 +9,10 @@ import shutil
 import signal
 
 import pytest
+import torch
 
 from lightspec_core.models.mtp_heads import MTPHeads
-from lightspec_core.training import loop
+from lightspec_core.training import loop, run
 from lightspec_core.training.checkpoint import load_checkpoint
 from lightspec_core.training.train_heads import main
 
@@ -104,6 +105,22 @@ def bad_model_dirs(smoke_model, tmp_path):
     return no_config, small_vocab
 
 
+def short_heldout_dir(smoke_model, text_dir, tmp_path):
+    """Training text, and a held-out document of 8 tokens (its EOS counted): enough for 4 heads by
+    the old rule (heads + 3), too few to evaluate them (a window of 2 * heads + 1 and one more)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smoke_model / "target" / "tokenizer.json"))
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "in", "the", "warm", "sun"]
+    texts = (" ".join(words[:n]) for n in range(1, len(words)))
+    held = next(t for t in texts if len(tok.encode(t, add_special_tokens=False).ids) + 1 == 8)
+    d = tmp_path / "short_heldout"
+    d.mkdir()
+    (d / "a.py").write_text("\n".join(p.read_text() for p in sorted(text_dir.glob("*.py"))))
+    (d / "b.py").write_text(held)  # the last document: the held-out one
+    return d
+
+
 @pytest.mark.parametrize(
     ("case", "named"),
     [
@@ -114,11 +131,16 @@ def bad_model_dirs(smoke_model, tmp_path):
         ("no heads", ["--heads 0"]),
         ("no budget", ["--minutes", "--steps"]),
         ("resume nothing", ["--resume", "checkpoint.pt"]),
+        ("windows too short to evaluate", ["--seq 8", "2 * heads + 1 = 9"]),
+        ("windows past the context", ["--seq", "max_position_embeddings"]),
+        ("no evaluation windows", ["--eval-windows 0", ">= 1"]),
+        ("held-out text too short", ["--data", "8 held-out tokens", "4 heads", "need 10"]),
     ],
 )
 def test_bad_input_fails_naming_the_option(smoke_model, text_dir, tmp_path, capsys, case, named):
     no_config, small_vocab = bad_model_dirs(smoke_model, tmp_path)
     (tmp_path / "empty").mkdir()
+    positions = json.loads((smoke_model / "target" / "config.json").read_text())["max_position_embeddings"]
     model, data, extra = smoke_model / "target", text_dir, ["--steps", "1"]
     if case == "empty data":
         data = tmp_path / "empty"
@@ -126,12 +148,15 @@ def test_bad_input_fails_naming_the_option(smoke_model, text_dir, tmp_path, caps
         data = tmp_path / "missing"
     elif case in ("no config", "small vocab"):
         model = no_config if case == "no config" else small_vocab
-    elif case == "no heads":
-        extra += ["--heads", "0"]
+    elif case == "held-out text too short":
+        data = short_heldout_dir(smoke_model, text_dir, tmp_path)
     elif case == "no budget":
         extra = []
-    elif case == "resume nothing":
-        extra += ["--resume"]
+    else:
+        extra += {"no heads": ["--heads", "0"], "resume nothing": ["--resume"],
+                  "windows too short to evaluate": ["--seq", "8"],
+                  "windows past the context": ["--seq", str(positions + 1)],
+                  "no evaluation windows": ["--eval-windows", "0"]}[case]  # fmt: skip
     argv = ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out"), *SMALL, *extra]
     assert main(argv) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -152,3 +177,44 @@ def test_the_lightspec_command_hands_train_heads_its_arguments(smoke_model, tmp_
     assert cli.main(["train-heads", "--model", str(tmp_path), "--data", str(tmp_path), "--out", str(tmp_path / "o"),
                      "--steps", "1"]) == 2  # fmt: skip
     assert "--model" in capsys.readouterr().err
+
+
+def test_the_heads_are_written_before_their_evaluation(smoke_model, text_dir, tmp_path, monkeypatch):
+    """A budget's training is not lost to a failing evaluation."""
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the evaluation failed")
+
+    monkeypatch.setattr(run, "chain_acceptance", failing)
+    with pytest.raises(RuntimeError, match="the evaluation failed"):
+        train(smoke_model, text_dir, tmp_path / "out", "--steps", "1")
+    assert MTPHeads.load(tmp_path / "out").config.num_heads == 4
+
+
+def test_a_mistral_whose_attention_window_is_shorter_than_its_positions_trains(smoke_model, text_dir, tmp_path,
+                                                                              capsys):  # fmt: skip
+    """transformers' default MistralConfig: sliding_window 4096, max_position_embeddings 32768. The
+    windows training uses are far shorter than the attention window, so the model is exact there."""
+    from tests.models.factories import save_hf_checkpoint
+
+    model = save_hf_checkpoint(tmp_path / "mistral", "mistral", {"vocab_size": 512, "max_position_embeddings": 32768,
+                                                                   "sliding_window": 4096})  # fmt: skip
+    shutil.copy(smoke_model / "target" / "tokenizer.json", model / "tokenizer.json")
+    argv = ["--model", str(model), "--data", str(text_dir), *SMALL, "--steps", "2"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert MTPHeads.load(tmp_path / "out").config.num_heads == 4
+    assert json.loads((tmp_path / "out" / "eval.json").read_text())["steps"] == 2
+    capsys.readouterr()
+    # a window past the attention window is refused, naming the option that sets it
+    assert main([*argv, "--out", str(tmp_path / "long"), "--seq", "4097"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lightspec train-heads: --seq 4097: must be <= the model's sliding_window 4096"), last
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
+def test_a_run_on_a_cuda_device_trains_evaluates_and_writes_the_heads(smoke_model, text_dir, tmp_path):
+    assert train(smoke_model, text_dir, tmp_path / "out", "--steps", "1", "--device", "cuda") == 0
+    assert MTPHeads.load(tmp_path / "out").config.num_heads == 4
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert report["steps"] == 1 and all(0.0 <= a <= 1.0 for a in report["head_greedy_acceptance"])
