@@ -35,7 +35,13 @@ class StageError(RuntimeError):
 
 class StageUnavailable(StageError):
     """A stage model's process is gone, stalled past the stage timeout, or not loaded: the requests of
-    the step end UNAVAILABLE (see :func:`is_unavailable`) and the fault is reported."""
+    the step end UNAVAILABLE (see :func:`is_unavailable`); a dead or stalled stage's fault is reported."""
+
+
+class StageNotLoaded(StageUnavailable):
+    """No version of the stage model is loaded (still loading, or unloaded), or BLS is closed to this
+    model (before its own initialize returned, and again once its unload began). No stage process
+    failed, so no fault is reported; a profile request waits for the load (see ``profile``)."""
 
 
 UNAVAILABLE_TAG = "unavailable:"  # the prefix of every StageUnavailable message, after the model name
@@ -49,16 +55,13 @@ def is_unavailable(message: str) -> bool:
     return UNAVAILABLE_TAG in message
 
 
-# What Triton answers a BLS request to a model that has not finished loading, or from a model whose
-# own initialize has not returned yet (BLS works from other threads only once it has).
-_NOT_YET = (
-    "unknown model",
-    "not found",
-    "not ready",
-    "no available version",
-    "unavailable",
-    "only supported during the 'execute' function",
-)
+# What Triton 2.51 answers a BLS request to a model with no version loaded, while it loads or after
+# its unload (core's ModelLifeCycle::GetModel). A model missing from the repository ("... is not
+# found") is a configuration error that no wait mends.
+_NOT_LOADED = ("has no available versions", "is not at ready state")
+# What the Python backend stub raises from exec() outside this model's execute phase: before its
+# initialize has returned (BLS from other threads works once it has) and once its finalize began.
+_BLS_CLOSED = "only supported during the 'execute' function"
 
 
 class BLSExecutor:
@@ -77,7 +80,8 @@ class BLSExecutor:
         ``load_wait_s``: how long a profile request waits for a stage model that is still loading.
         ``stage_timeout_s`` (0: none): a call not answered by then fails with
         :class:`StageUnavailable` (its worker stays blocked; later calls to that stage queue behind
-        it and fail the same way). ``on_fault(model, message)`` hears of every such failure."""
+        it and fail the same way, and are never sent). ``on_fault(model, message)`` hears of every
+        such failure and of every dead stage stub."""
         self.stage_models = dict(stage_models)
         self.pb = pb_utils
         self.timeout_us = timeout_us
@@ -85,7 +89,8 @@ class BLSExecutor:
         self.stage_timeout_s = stage_timeout_s
         self.on_fault = on_fault
         self._pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"bls-{s}") for s in self.stage_models}
-        self._pending: dict[int, tuple[float, Future, str]] = {}  # calls with a deadline, by id(future)
+        # calls with a deadline, by id(outer future): (deadline, outer, model, inner future)
+        self._pending: dict[int, tuple[float, Future, str, Future]] = {}
         self._pending_lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
         self._closed = threading.Event()  # ends the watchdog
@@ -104,7 +109,7 @@ class BLSExecutor:
         no thread per call on the engine's hot path)."""
         outer: Future = Future()
         with self._pending_lock:
-            self._pending[id(outer)] = (time.monotonic() + self.stage_timeout_s, outer, model)
+            self._pending[id(outer)] = (time.monotonic() + self.stage_timeout_s, outer, model, inner)
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="bls-deadlines", daemon=True)
                 self._watchdog.start()
@@ -112,8 +117,8 @@ class BLSExecutor:
         def settle(f: Future) -> None:
             with self._pending_lock:
                 self._pending.pop(id(outer), None)
-            if outer.done():
-                return  # timed out already: the late answer is dropped
+            if outer.done() or f.cancelled():
+                return  # timed out (or closed) already: the late answer is dropped
             outer.t_done = getattr(f, "t_done", time.perf_counter())
             exc = f.exception()
             with contextlib.suppress(InvalidStateError):  # the watchdog and the answer raced
@@ -126,16 +131,22 @@ class BLSExecutor:
         while not self._closed.wait(min(0.25, self.stage_timeout_s / 4)):
             now = time.monotonic()
             with self._pending_lock:
-                expired = [k for k, (deadline, _, _) in self._pending.items() if deadline <= now]
+                expired = [k for k, (deadline, *_) in self._pending.items() if deadline <= now]
                 calls = [self._pending.pop(k)[1:] for k in expired]
-            for outer, model in calls:
-                err = StageUnavailable(
-                    f"stage model {model!r} {UNAVAILABLE_TAG} no answer in {self.stage_timeout_s:g} s"
-                )
-                self._report(model, str(err))
-                outer.t_done = time.perf_counter()
-                with contextlib.suppress(InvalidStateError):
-                    outer.set_exception(err)
+            for outer, model, inner in calls:
+                message = f"stage model {model!r} {UNAVAILABLE_TAG} no answer in {self.stage_timeout_s:g} s"
+                self._report(model, message)
+                self._fail(outer, inner, StageUnavailable(message))
+
+    @staticmethod
+    def _fail(outer: Future, inner: Future, error: StageError) -> None:
+        """Fail a call its caller stops waiting for. A call still queued behind a stalled one is
+        never sent: sent late, it would write K/V into blocks the engine has freed and reused."""
+        if not outer.done():
+            outer.t_done = time.perf_counter()
+        with contextlib.suppress(InvalidStateError):  # the answer came first
+            outer.set_exception(error)
+        inner.cancel()  # after the outer future is settled: the cancellation reaches settle()
 
     def _report(self, model: str, message: str) -> None:
         if self.on_fault is not None:
@@ -146,7 +157,8 @@ class BLSExecutor:
     def profile(self, stage: str, spec: ProfileSpec) -> VerifyCost | ProposeCost:
         """The stage model's cost profile (it took it while loading, see ``StageModel``). Stage
         models load beside the orchestrator, so a request that finds one not loaded yet (or that
-        comes before the orchestrator's own initialize returned) is retried."""
+        comes before the orchestrator's own initialize returned) is retried for ``load_wait_s``,
+        then fails :class:`StageUnavailable` naming the stage; any other error fails at once."""
         if stage not in self.stage_models:
             raise ValueError(f"stage {stage!r}: no stage model configured (known: {sorted(self.stage_models)})")
         model = self.stage_models[stage]
@@ -156,10 +168,11 @@ class BLSExecutor:
             try:
                 out = self._exec(model, [self.pb.Tensor("profile_spec", request)], ["profile"])["profile"]
                 break
-            except (StageError, self.pb.TritonModelException) as e:
-                if time.monotonic() > deadline or not any(s in str(e).lower() for s in _NOT_YET):
+            except StageNotLoaded as e:  # a dead stage (StageUnavailable) or any other error: at once
+                if time.monotonic() >= deadline:
+                    raise StageUnavailable(f"{e} (not loaded within {self.load_wait_s:g} s)") from e
+                if self._closed.wait(0.2):  # unloaded while waiting
                     raise
-                time.sleep(0.2)
         raw = out.reshape(-1)[0]
         d = json.loads(raw.decode() if isinstance(raw, bytes) else str(raw))
         return VerifyCost.from_dict(d) if stage == "target" else ProposeCost(**d)
@@ -173,14 +186,15 @@ class BLSExecutor:
     def _exec(self, model: str, inputs: list, names: list[str]) -> dict[str, np.ndarray]:
         pb = self.pb
         kwargs = {"timeout": self.timeout_us} if self.timeout_us else {}
-        response = pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=names, **kwargs).exec()
+        request = pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=names, **kwargs)
+        try:
+            response = request.exec()
+        except pb.TritonModelException as e:
+            if _BLS_CLOSED in str(e):
+                raise StageNotLoaded(f"stage model {model!r} {UNAVAILABLE_TAG} {e}") from e
+            raise
         if response.has_error():
-            message = response.error().message()
-            if any(m in message.lower() for m in _STUB_DOWN):
-                err = StageUnavailable(f"stage model {model!r} {UNAVAILABLE_TAG} {message}")
-                self._report(model, str(err))
-                raise err
-            raise StageError(f"stage model {model!r}: {message}")
+            raise self._error(model, response.error().message())
         tensors = {}
         for name in names:
             t = pb.get_output_tensor_by_name(response, name)
@@ -190,7 +204,26 @@ class BLSExecutor:
             tensors[name] = np.array(t.as_numpy(), copy=True)
         return tensors
 
+    def _error(self, model: str, message: str) -> StageError:
+        """The exception for a stage model's error answer; a dead or stalled stub's is reported."""
+        lower = message.lower()
+        if any(m in lower for m in _NOT_LOADED):
+            return StageNotLoaded(f"stage model {model!r} {UNAVAILABLE_TAG} {message}")
+        if any(m in lower for m in _STUB_DOWN):
+            err = StageUnavailable(f"stage model {model!r} {UNAVAILABLE_TAG} {message}")
+            self._report(model, str(err))
+            return err
+        return StageError(f"stage model {model!r}: {message}")
+
     def close(self) -> None:
+        """Fail the calls still waiting and return without waiting for the workers: one may be
+        blocked in ``exec()`` on a stalled stage for as long as it stalls, and the model's unload
+        must not wait for it. Calls still queued are never sent."""
         self._closed.set()
+        with self._pending_lock:
+            calls = [c[1:] for c in self._pending.values()]
+            self._pending.clear()
+        for outer, model, inner in calls:
+            self._fail(outer, inner, StageUnavailable(f"stage model {model!r} {UNAVAILABLE_TAG} the executor closed"))
         for pool in self._pools.values():
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -299,13 +299,15 @@ class Orchestrator:
             entry.sender.send(pb.InferenceResponse(output_tensors=[], error=err), flags=final_flag)
             return True
         delta = payload
+        # before the error branch: once the unload began, the stages refuse this model's calls, and a
+        # step that failed for it is the unload, not an error of the request's (a drain's cancel says more)
+        if delta.finished and entry.shutting_down and not entry.cancel_message:
+            return self._send(entry, ErrorReply("UNAVAILABLE", "the model was unloaded before the request finished"))
         if delta.finished and delta.finish_reason == "error":
             code = "UNAVAILABLE" if is_unavailable(delta.error or "") else "INTERNAL"
             return self._send(entry, ErrorReply(code, delta.error or "generation failed"))
         if delta.finished and entry.cancel_message:
             return self._send(entry, ErrorReply("CANCELLED", entry.cancel_message))
-        if delta.finished and entry.shutting_down:
-            return self._send(entry, ErrorReply("UNAVAILABLE", "the model was unloaded before the request finished"))
         tensors = build_response(entry.state, delta)
         if tensors is None:
             return False

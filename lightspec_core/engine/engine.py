@@ -15,7 +15,6 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import torch
 
@@ -36,17 +35,10 @@ from .outputs import RequestDelta, RequestOutput
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .sequence import Sequence, Status, checked_prompt
 from .stats import RuntimeStats
-from .step import InFlight, pack_step, target_probs
+from .step import InFlight, failed_launch, pack_step, stamp_done, target_probs
 from .text import take_delta, truncate_at_stop
 
 log = logging.getLogger("lightspec")
-
-
-def _stamp_done(fut: Future) -> None:
-    """For an executor whose futures come without ``t_done`` (see ``Executor``): late by whatever
-    the waiting thread does before the callback gets the interpreter."""
-    if not hasattr(fut, "t_done"):
-        fut.t_done = time.perf_counter()
 
 
 class LLMEngine:
@@ -222,14 +214,17 @@ class LLMEngine:
                 it.seq.t_scheduled = t0
         tables = [self.blocks.table(it.seq.request_id) for it in plan.items]
         seqs, ks = [it.seq for it in plan.items], [it.k for it in plan.items]
-        props = self.proposer.propose(seqs, ks, tables, [it.min_gain for it in plan.items])
+        try:
+            props = self.proposer.propose(seqs, ks, tables, [it.min_gain for it in plan.items])
+        except Exception as e:  # noqa: BLE001 - a proposer stage failure fails this micro-batch only, as the target's
+            return failed_launch(plan, e, t0)
         num_drafts = sum(len(p.draft_ids) for p in props)
         self._observe_proposals(plan, props, num_drafts, time.perf_counter() - t0)
         extra = self.proposer.target_inputs(seqs, [it.samples for it in plan.items], ks)
         packed = pack_step(plan, props, tables, extra)
         t_submit = time.perf_counter()
         fut = self.executor.submit("target", packed.call)
-        fut.add_done_callback(_stamp_done)
+        fut.add_done_callback(stamp_done)
         return InFlight(plan, props, fut, packed.rows, packed.logit_rows, t_submit, len(packed.call.input_ids),
                         packed.context, plan.prefill_tokens, num_drafts, packed.heads)
 

@@ -3,13 +3,14 @@ while it is in flight."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..spec.proposer import Proposal
+from ..spec.proposer import EMPTY, Proposal
 from ..spec.sampling import probs_from_logits
 from ..stages.contract import ModelCall, pack_block_tables
 from .scheduler import StepPlan
@@ -28,6 +29,24 @@ class InFlight:
     prefill: int  # of num_tokens, prompt-chunk tokens
     drafts: int  # of num_tokens, draft tokens
     heads: tuple[int, int] = (0, 0)  # fused MTP drafts the call proposes: (in all, longest chain)
+
+
+def stamp_done(fut: Future) -> None:
+    """For an executor whose futures come without ``t_done`` (see ``Executor``): late by whatever
+    the waiting thread does before the callback gets the interpreter."""
+    if not hasattr(fut, "t_done"):
+        fut.t_done = time.perf_counter()
+
+
+def failed_launch(plan: StepPlan, error: Exception, t_launch: float) -> InFlight:
+    """A micro-batch whose drafts could not be proposed (its proposer stage failed). It completes,
+    in launch order, as one whose target call failed with ``error``: its requests end with the
+    stage's error and the others go on. A dead stage's fault was reported by the executor that
+    raised it, as for the target stage."""
+    failed: Future = Future()
+    failed.set_exception(error)
+    n = len(plan.items)
+    return InFlight(plan, [EMPTY] * n, failed, [[] for _ in range(n)], [[] for _ in range(n)], t_launch, 0, 0, 0, 0)
 
 
 @dataclass

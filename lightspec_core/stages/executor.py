@@ -46,7 +46,8 @@ def submit_timed(pool: ThreadPoolExecutor, fn, *args) -> Future:
         if fut.set_running_or_notify_cancel():
             _settle(fut, fn, *args)
 
-    pool.submit(run)
+    # a pool shut down with cancel_futures drops ``run``: its caller must not wait for ever
+    pool.submit(run).add_done_callback(lambda work: fut.cancel() if work.cancelled() else None)
     return fut
 
 

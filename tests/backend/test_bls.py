@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import time
 
 import numpy as np
 import pytest
 from lightspec_backend.bls import BLSExecutor, StageError, StageUnavailable, is_unavailable
+from lightspec_backend.client import input_array
+from lightspec_backend.orchestrator import Orchestrator
 from lightspec_backend.params import Role
 from lightspec_backend.stage import StageModel
 
 from lightspec_core import EngineConfig, LLMEngine, SamplingParams
-from lightspec_core.config import resolve_dirs
+from lightspec_core.config import SpecMethod, resolve_dirs
+from lightspec_core.spec.calibrate import ProfileSpec
 from lightspec_core.stages.contract import ModelCall
 from lightspec_core.stages.mtp import MTPRunner
 from lightspec_core.stages.target import ModelRunner
@@ -224,3 +229,155 @@ def test_stage_call_past_the_stage_timeout_raises_stage_unavailable():
 
 def test_stage_error_that_is_not_a_dead_stub_stays_internal():
     assert not is_unavailable("stage failure: stage model 'lightspec_target': out of memory")
+
+
+# ---- faults of the stages, the profile fetch and the unload ------------------------------------
+
+SPEC = ProfileSpec(SpecMethod.MTP, 3, BLOCK, BLOCKS, 4, 256, 512, 64)
+NOT_LOADED = "Request for unknown model: '{}' has no available versions"  # Triton 2.51's text
+BLS_CLOSED = "BLS is only supported during the 'execute' function."  # the stub's, outside execute
+
+
+class Scripted:
+    """A stage model that answers each call with the next of ``answers`` (an error message, an
+    exception to raise from ``exec()``, a stage model to pass the call to, or ``None``: a
+    profile), the last one for ever."""
+
+    def __init__(self, pb, *answers):
+        self.pb, self.answers, self.calls = pb, list(answers), 0
+
+    def execute(self, requests):
+        answer = self.answers[min(self.calls, len(self.answers) - 1)]
+        self.calls += 1
+        if isinstance(answer, Exception):
+            raise answer
+        if isinstance(answer, str):
+            return [self.pb.InferenceResponse(error=self.pb.TritonError(answer, self.pb.TritonError.INTERNAL))]
+        if answer is not None:
+            return answer.execute(requests)
+        profile = json.dumps({"fixed": 1e-3, "per_draft": 2e-4, "per_depth": 3e-4}).encode()
+        return [self.pb.InferenceResponse([self.pb.Tensor("profile", np.array([profile], dtype=object))])]
+
+
+def scripted_executor(*answers, **kw):
+    pb, faults = FakePbUtils(), []
+    pb.models["lightspec_mtp"] = stage = Scripted(pb, *answers)
+    ex = BLSExecutor({"mtp": "lightspec_mtp"}, pb, on_fault=lambda model, msg: faults.append(model), **kw)
+    return ex, stage, faults
+
+
+def test_profile_of_a_dead_stage_fails_at_once_and_reports_the_fault_once():
+    ex, stage, faults = scripted_executor("Stub process 'lightspec_mtp_0_0' is not healthy.", load_wait_s=5)
+    t0 = time.monotonic()
+    with pytest.raises(StageUnavailable, match="is not healthy"):
+        ex.profile("mtp", SPEC)
+    ex.close()
+    assert time.monotonic() - t0 < 2 and stage.calls == 1 and faults == ["lightspec_mtp"]
+
+
+@pytest.mark.parametrize("answer", ["Request for unknown model: 'lightspec_mtp' is not found", "out of memory"])
+def test_profile_of_a_missing_or_failing_stage_fails_at_once(answer):
+    ex, stage, faults = scripted_executor(answer, load_wait_s=5)
+    with pytest.raises(StageError, match=answer) as e:
+        ex.profile("mtp", SPEC)
+    ex.close()
+    assert stage.calls == 1 and faults == [] and not is_unavailable(str(e.value))
+
+
+def test_profile_waits_while_the_stage_loads_and_this_models_initialize_runs():
+    not_loaded = NOT_LOADED.format("lightspec_mtp")
+    ex, stage, faults = scripted_executor(not_loaded, RuntimeError(BLS_CLOSED), not_loaded, None, load_wait_s=30)
+    cost = ex.profile("mtp", SPEC)
+    ex.close()
+    assert (cost.fixed, cost.per_draft, stage.calls, faults) == (1e-3, 2e-4, 4, [])
+
+
+def test_a_stage_not_loaded_within_the_wait_ends_the_requests_unavailable_naming_it(smoke_model):
+    """The profile gives up after ``load_wait_s`` (the engine plans with generic costs); the
+    requests' calls find the stage still not loaded and end UNAVAILABLE, naming it."""
+    cfg = config(smoke_model, "mtp")
+    pb = stage_pb(cfg)
+    pb.models["lightspec_target"] = never = Scripted(pb, NOT_LOADED.format("lightspec_target"))
+    faults = []
+    ex = BLSExecutor({"target": "lightspec_target", "mtp": "lightspec_mtp"}, pb, load_wait_s=0.5,
+                     on_fault=lambda model, msg: faults.append(model))
+    engine = LLMEngine(cfg, executor=ex, profile_now=False)
+    orch = Orchestrator(engine, pb, None, cancel_poll_s=0.01)
+    r = FakeRequest({"text_input": input_array("text_input", "def f():"), "max_tokens": input_array("max_tokens", 8)})
+    t0 = time.monotonic()
+    orch.submit(r)
+    try:
+        assert r.sender.wait_final(30)
+    finally:
+        orch.shutdown(10)
+        engine.close()
+    error = r.sender.final.error()
+    assert error.code() == pb.TritonError.UNAVAILABLE and "'lightspec_target'" in error.message()
+    assert time.monotonic() - t0 < 10 and never.calls < 20 and faults == []
+
+
+def test_a_dead_proposer_stage_fails_its_step_only_and_reports_the_fault(smoke_model):
+    """As a dead target stage: the requests of the step end UNAVAILABLE naming the stage, the
+    fault reaches the supervisor, and the requests queued behind are served."""
+    cfg = dataclasses.replace(config(smoke_model, "mtp"), policy="static:3", max_num_seqs=1)  # one a step
+    pb = stage_pb(cfg)
+    pb.models["lightspec_mtp"] = Scripted(pb, "Stub process 'lightspec_mtp_0_0' is not healthy.",
+                                          pb.models["lightspec_mtp"])  # dead once, then restarted
+    faults = []
+    ex = BLSExecutor({"target": "lightspec_target", "mtp": "lightspec_mtp"}, pb,
+                     on_fault=lambda model, msg: faults.append(model))
+    engine = LLMEngine(cfg, executor=ex)
+    orch = Orchestrator(engine, pb, None, cancel_poll_s=0.01)
+    reqs = [FakeRequest({"text_input": input_array("text_input", f"def f{i}():"),
+                         "max_tokens": input_array("max_tokens", 8)}) for i in range(3)]
+    for r in reqs:
+        orch.submit(r)
+    try:
+        assert all(r.sender.wait_final(30) for r in reqs)
+    finally:
+        orch.shutdown(10)
+        engine.close()
+    error = reqs[0].sender.final.error()
+    assert error.code() == pb.TritonError.UNAVAILABLE and "'lightspec_mtp'" in error.message()
+    assert [r.sender.final.has_error() for r in reqs[1:]] == [False, False] and faults == ["lightspec_mtp"]
+
+
+def test_bls_refused_during_the_unload_is_unavailable_and_no_fault():
+    """The stub raises from ``exec()`` once this model's finalize began: the stage is fine, this
+    model is going away."""
+    ex, _, faults = scripted_executor(RuntimeError(BLS_CLOSED))
+    with pytest.raises(StageUnavailable, match="only supported during") as e:
+        ex.submit("mtp", _one_token_call()).result(timeout=10)
+    ex.close()
+    assert is_unavailable(str(e.value)) and faults == []
+
+
+def test_close_returns_while_a_stage_stalls_and_never_sends_calls_that_timed_out():
+    pb = FakePbUtils()
+    release, calls = threading.Event(), []
+
+    class Stalled:
+        def execute(self, requests):
+            calls.append(1)
+            release.wait(30)
+            return [pb.InferenceResponse(error=pb.TritonError("late", pb.TritonError.INTERNAL))]
+
+    pb.models["lightspec_target"] = Stalled()
+    ex = BLSExecutor({"target": "lightspec_target"}, pb, stage_timeout_s=0.2)
+    timed_out = [ex.submit("target", _one_token_call()) for _ in range(2)]  # the second queues behind
+    for f in timed_out:
+        with pytest.raises(StageUnavailable, match="no answer"):
+            f.result(timeout=10)
+    ex.stage_timeout_s = 60
+    waiting = ex.submit("target", _one_token_call())  # queued, its deadline far away
+    closing = threading.Thread(target=ex.close)
+    closing.start()
+    closing.join(2)
+    try:
+        assert not closing.is_alive(), "close() waited for the stalled stage"
+        with pytest.raises(StageUnavailable, match="closed"):
+            waiting.result(timeout=2)
+    finally:
+        release.set()
+    time.sleep(0.3)  # the worker is free: nothing queued may reach the stage now
+    assert len(calls) == 1

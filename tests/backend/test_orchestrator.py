@@ -4,6 +4,7 @@ answers whatever is still in flight."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -321,6 +322,34 @@ def test_shutdown_answers_in_flight_requests(engine):
     orch.submit(late)  # after finalize began: answered, not dropped
     assert late.sender.wait_final(1)
     assert late.sender.final.error().code() == pb.TritonError.UNAVAILABLE
+
+
+def test_a_request_whose_step_the_unload_failed_is_unavailable_model_unloaded(engine, monkeypatch):
+    """Once the unload began, the stub refuses this model's BLS calls: a request whose step failed
+    so ends as every other request of the unload does, not with the refusal's text."""
+    orch = Orchestrator(engine, (pb := FakePbUtils()), None, cancel_poll_s=0.01)
+    refused = ("stage failure: stage model 'lightspec_target' unavailable: "
+               "BLS is only supported during the 'execute' function.")
+    step = engine.step
+
+    def step_while_unloading(*args, **kwargs):  # the drain's last step, its target call refused
+        deltas = step(*args, **kwargs)
+        if orch._stopping.is_set():
+            deltas = [dataclasses.replace(d, finish_reason="error", error=refused) if d.finished else d
+                      for d in deltas]
+        return deltas
+
+    monkeypatch.setattr(engine, "step", step_while_unloading)
+    r = request(text_input="x = 1", max_tokens=900, ignore_eos=True, stream=True)
+    orch.submit(r)
+    deadline = time.monotonic() + 30
+    while not r.sender.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    orch.shutdown(timeout_s=30)
+    assert r.sender.wait_final(1) and len(finals(r)) == 1
+    error = r.sender.final.error()
+    assert (error.code(), error.message()) == (pb.TritonError.UNAVAILABLE,
+                                               "the model was unloaded before the request finished")
 
 
 def test_step_failure_of_a_dead_stage_is_unavailable_naming_it(served, engine, monkeypatch):

@@ -408,16 +408,16 @@ def test_higher_priority_is_admitted_first(smoke_model):
 
 
 class FlakyExecutor:
-    """Wraps the local executor; the first target call fails like a crashed stage model."""
+    """Wraps the local executor; the first call to ``stage`` fails like a crashed stage model."""
 
-    def __init__(self, inner):
-        self.inner, self.failed = inner, False
+    def __init__(self, inner, stage: str = "target"):
+        self.inner, self.stage, self.failed = inner, stage, False
 
     def submit(self, stage, call):
-        if stage == "target" and not self.failed:
+        if stage == self.stage and not self.failed:
             self.failed = True
             f = Future()
-            f.set_exception(RuntimeError("stage lightspec_target crashed"))
+            f.set_exception(RuntimeError(f"stage lightspec_{stage} crashed"))
             return f
         return self.inner.submit(stage, call)
 
@@ -438,6 +438,27 @@ def test_stage_failure_fails_the_micro_batch_and_engine_keeps_serving(smoke_mode
     assert eng.blocks.usage() == 0.0
     again = eng.generate(["x = 1"], SamplingParams(max_tokens=4))[0]
     assert again.finish_reason == "length" and len(again.output_token_ids) == 4
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("stage", ["mtp", "draft"])
+def test_a_failed_proposer_stage_fails_its_micro_batch_only_and_the_queue_is_served_exactly(smoke_model, stage,
+                                                                                               depth):
+    """As a failed target call: the requests of the step whose drafting failed end with the stage's
+    error; the requests waiting behind it are served, token for token as without the failure."""
+    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation=stage, mtp="local", policy="static:3",
+                       max_num_seqs=1, pipeline_depth=depth, profile_stages=False)  # local: the mtp stage is called
+    prompts, params = ["x = 1", "def f(a):", "import os\n"], SamplingParams(max_tokens=8, ignore_eos=True)
+    want = LLMEngine(cfg).generate(prompts, params)
+    flaky = FlakyExecutor(build_local_executor(cfg), stage)
+    eng = LLMEngine(cfg, executor=flaky)
+    out = eng.generate(prompts, params)
+    assert flaky.failed, "the proposer stage was never called: the test proves nothing"
+    assert (out[0].finish_reason, out[0].error) == ("error", f"stage failure: stage lightspec_{stage} crashed")
+    assert [o.output_token_ids for o in out[1:]] == [o.output_token_ids for o in want[1:]]
+    assert [o.finish_reason for o in out[1:]] == ["length", "length"]
+    assert eng.blocks.usage() == 0.0 and eng.stats.snapshot()["request_failure_total"] == 1
+    eng.close()
 
 
 def test_dynamic_engine_profiles_its_stages_while_it_loads(smoke_model):
