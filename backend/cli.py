@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import shutil
 import signal
 import sys
@@ -98,9 +99,22 @@ def _repository(args) -> Path:
     return write_model_repository(Path(tempfile.mkdtemp(dir=default_cache_dir() / "repositories")), overrides)
 
 
+def _generated(repo: Path) -> bool:
+    return repo.parent == default_cache_dir() / "repositories"
+
+
 def _remove_generated(repo: Path) -> None:
-    if repo.parent == default_cache_dir() / "repositories":
+    if _generated(repo):
         shutil.rmtree(repo, ignore_errors=True)
+
+
+def _named_for_serve(message: str, repo: Path) -> str:
+    """A generated repository is gone by the time its error is read: name the model instead of its
+    config.pbtxt (the parameter and value, which the message names, are what --set gave)."""
+    if not _generated(repo):
+        return message
+    message = re.sub(rf"{re.escape(str(repo))}/([^/\s]+)/config\.pbtxt", r"model \1", message)
+    return message.replace(str(repo), "the generated repository")
 
 
 def validate_repository(repo: Path) -> list[str]:
@@ -219,9 +233,9 @@ def serve(args) -> int:
 def _serve_repository(args, repo: Path) -> int:
     try:
         for note in validate_repository(repo):
-            print(note, flush=True)
+            print(_named_for_serve(note, repo), flush=True)
     except ValueError as e:
-        print(f"lightspec serve: {e}", file=sys.stderr)
+        print(f"lightspec serve: {_named_for_serve(str(e), repo)}", file=sys.stderr)
         return 2
     try:
         server = _server(args, repo)

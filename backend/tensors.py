@@ -56,23 +56,24 @@ INPUTS = [
     ),
     TensorSpec("temperature", "FP32", (1,), doc="default 0 (greedy); a finite number >= 0, at most float32's largest"),
     TensorSpec("top_p", "FP32", (1,), doc="default 1; in (0, 1]"),
-    TensorSpec("top_k", "INT32", (1,), doc="default 0 (off); >= 0"),
+    TensorSpec("top_k", "INT32", (1,), doc="default 0 (off); >= 0, or -1: off (vLLM's spelling)"),
     TensorSpec(
         "seed", "UINT64", (1,), doc="per-request sampling seed; default derived from the engine seed and the request"
     ),
-    TensorSpec("stop_words", "STRING", (-1,), doc="stop strings; the text ends before the first match"),
     TensorSpec(
-        "end_id",
-        "INT32",
-        (1,),
-        doc="extra end-of-sequence token id, in [0, vocabulary size) (the tokenizer's EOS stops unless ignore_eos)",
+        "stop_words", "STRING", (-1,), doc="stop strings; the text ends before the first match; empty entries are "
+        "skipped, as TensorRT-LLM's preprocessing skips them",
+    ),
+    TensorSpec(
+        "end_id", "INT32", (1,), doc="an end token id beside the tokenizer's EOS (TensorRT-LLM's replaces it), in "
+        "[0, vocabulary size); -1: no end token, as ignore_eos (TensorRT-LLM's spelling; refused with ignore_eos false)",
     ),
     TensorSpec(
         "ignore_eos", "BOOL", (1,), doc="default false; true keeps generating past the tokenizer's EOS (benchmarks)"
     ),
     TensorSpec(
         "exclude_input_in_output", "BOOL", (1,), doc="default false: non-streaming `text_output` starts with the prompt; "
-        "false with streaming is refused"
+        "false with streaming is refused (`lightspec_batched` accepts it, as TensorRT-LLM: streams carry new text only)"
     ),
     TensorSpec("priority", "INT32", (1,), doc="default 0; higher is admitted first and preempted last"),
     TensorSpec(

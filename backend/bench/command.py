@@ -1,6 +1,6 @@
 """The ``lightspec bench`` command line: flags, the plan they make, and ``main``.
 
-lightspec bench --quick                                   # < 5 min on 2 cores
+lightspec bench --quick                                   # ~1 min on 2 cores
 lightspec bench --json out.json --plot out.png            # none, static:1/2/4, dynamic x mtp; c = 1 4 16 64
 lightspec bench --methods mtp ngram draft --workload mixed --rate 2
 lightspec bench --peer vllm --peer-venv-create                # LightSpec beside vLLM's CPU build (.peer_run)

@@ -88,6 +88,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--openai-port", type=int, default=DEFAULT_PORT,
         help=f"OpenAI-compatible API port (default {DEFAULT_PORT}; 0 picks a free port; -1 turns it off)",
     )  # fmt: skip
+    # loopback, as `lightspec openai --host`: the API has no authentication; Triton's own ports listen on
+    # every interface, so a container passes 0.0.0.0 here to publish this one too
+    p.add_argument(
+        "--openai-host",
+        default="127.0.0.1",
+        help="address the OpenAI API listens on (default 127.0.0.1; 0.0.0.0: every interface, as tritonserver's ports)",
+    )
     p.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible API")
 
 
@@ -104,7 +111,8 @@ def start_for_serve(args: argparse.Namespace, grpc_url: str, model_repository: P
     port = getattr(args, "openai_port", DEFAULT_PORT)
     if getattr(args, "no_openai", False) or port is None or port < 0:
         return None
-    return OpenAIServer(grpc_url, port=port, model_repository=model_repository).start()
+    host = getattr(args, "openai_host", "127.0.0.1")
+    return OpenAIServer(grpc_url, host=host, port=port, model_repository=model_repository).start()
 
 
 def main(args: argparse.Namespace) -> int:

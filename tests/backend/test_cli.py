@@ -221,3 +221,13 @@ def test_a_signal_while_the_sample_streams_drains_the_server_as_at_any_other_tim
     monkeypatch.setattr(supervisor, "Supervisor", Supervisor)
     assert cli.main(["serve", "--sample", "def f():", "--no-openai"]) == 0
     assert drained == [30.0] and server.calls == ["stop"]
+
+
+def test_serve_names_a_bad_set_by_model_and_parameter_not_by_the_generated_file_it_removes(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    assert cli.main(["serve", "--set", "speculation=eagle", "--no-openai"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("lightspec serve: model lightspec: parameter speculation='eagle': "), err
+    assert str(tmp_path) not in err and not any((tmp_path / "repositories").iterdir())
