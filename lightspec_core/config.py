@@ -80,7 +80,10 @@ class SamplingParams:
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise _bad("num_draft_tokens", self.num_draft_tokens, "must be >= 0")
         if self.seed is not None and self.seed < 0:
-            raise _bad("seed", self.seed, "must be >= 0")
+            # vLLM takes any int64: a negative seed is its 64 bits, as the UINT64 seed input carries them
+            if self.seed < -(1 << 63):
+                raise _bad("seed", self.seed, "must be >= -2**63")
+            self.seed += 1 << 64
         if self.stream_interval is not None and (not isinstance(self.stream_interval, int) or self.stream_interval < 1):
             raise _bad("stream_interval", self.stream_interval, "must be a positive integer")
         if any(not s for s in self.stop):

@@ -77,6 +77,8 @@ def sampling_tensors(req: CompletionRequest | ChatCompletionRequest) -> dict[str
             tensors[name] = getattr(req, name)
     if tensors.get("top_k") == -1:  # vLLM's "off", which many clients send; the backend's vLLM convention agrees
         tensors["top_k"] = 0
+    if -(1 << 63) <= tensors.get("seed", 0) < 0:  # vLLM takes any int64: the same 64 bits as a UINT64
+        tensors["seed"] += 1 << 64
     if req.stop_list:
         tensors["stop_words"] = req.stop_list
     renamed = renamed_fields(req)

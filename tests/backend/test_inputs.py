@@ -273,3 +273,10 @@ def test_tensor_spellings_of_off_as_vllm_and_tensorrt_llm_send_them():
     assert r.params.stop == ["ok"]  # TensorRT-LLM skips a stop word that encodes to nothing
     with pytest.raises(ValueError, match=r"^end_id=-1: means no end token, and ignore_eos=false"):
         parse_request(getter(text_input="x", end_id=-1, ignore_eos=False))
+
+
+def test_a_negative_seed_in_sampling_parameters_is_its_64_bits_as_vllm_takes_any_int64():
+    r = parse_request(getter(text_input="x", sampling_parameters='{"seed": -1}'))
+    assert r.params.seed == (1 << 64) - 1  # what the UINT64 seed input carries for the same bits
+    with pytest.raises(ValueError, match=r"^sampling_parameters: seed=-9223372036854775809"):
+        parse_request(getter(text_input="x", sampling_parameters=f'{{"seed": {-(1 << 63) - 1}}}'))

@@ -76,7 +76,7 @@ def test_chat_max_completion_tokens_wins_and_conflicting_lengths_are_refused():
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
-        ({"seed": -1}, "seed"),
+        ({"seed": -(1 << 63) - 1}, "seed"),  # below int64, vLLM's range
         ({"stream_interval": 0}, "stream_interval"),
         ({"seed": 1 << 64}, "seed"),
         ({"stop": [""]}, "stop"),
@@ -124,6 +124,11 @@ def test_the_range_check_names_the_chat_length_field_and_covers_prompt_token_ids
     assert e.value.param == "prompt" and e.value.message.startswith(f"prompt: {1 << 63}: out of range")
     edges = sampling_tensors(completion(priority=-(1 << 31), top_k=(1 << 31) - 1, seed=(1 << 64) - 1))
     assert (edges["priority"], edges["top_k"], edges["seed"]) == (-(1 << 31), (1 << 31) - 1, (1 << 64) - 1)
+
+
+def test_a_negative_seed_is_its_64_bits_as_vllm_takes_any_int64():
+    assert sampling_tensors(completion(seed=-1))["seed"] == (1 << 64) - 1
+    assert sampling_tensors(chat(seed=-(1 << 63)))["seed"] == 1 << 63
 
 
 def test_top_k_minus_one_is_vllms_off():
