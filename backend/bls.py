@@ -56,9 +56,10 @@ def is_unavailable(message: str) -> bool:
 
 
 # What Triton 2.51 answers a BLS request to a model with no version loaded, while it loads or after
-# its unload (core's ModelLifeCycle::GetModel). A model missing from the repository ("... is not
-# found") is a configuration error that no wait mends.
-_NOT_LOADED = ("has no available versions", "is not at ready state")
+# its unload (core's ModelLifeCycle::GetModel), and to any request while the server itself starts
+# ("Server not ready": the stage models load beside the orchestrator at start-up). A model missing
+# from the repository ("... is not found") is a configuration error that no wait mends.
+_NOT_LOADED = ("has no available versions", "is not at ready state", "server not ready")
 # What the Python backend stub raises from exec() outside this model's execute phase: before its
 # initialize has returned (BLS from other threads works once it has) and once its finalize began.
 _BLS_CLOSED = "only supported during the 'execute' function"

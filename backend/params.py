@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from lightspec_core.config import MTP_FUSED, MTP_LOCAL, EngineConfig, parse_memory
+from lightspec_core.config import MTP_FUSED, MTP_LOCAL, EngineConfig, SpecMethod, parse_memory
 
 
 class Role(str, Enum):
@@ -362,11 +362,17 @@ def check_stage_configs(config: BackendConfig, repository: str | Path) -> list[s
         keys = ["model_dir", *(["mtp_dir"] if stage == "mtp" or fused else []),
                 *(["draft_dir"] if stage == "draft" else [])]
         # what sizes and indexes the pools: with kv_cache_memory the block count follows the bytes
-        # a block takes (dtype; a draft model's pool beside the target's) and the rope table the
-        # context (max_model_len)
-        keys += [*KV_PARAMS, "dtype", "max_model_len", "speculation"] if stage != "mtp" else []
+        # a block takes (dtype) and the rope table the context (max_model_len)
+        keys += [*KV_PARAMS, "dtype", "max_model_len"] if stage != "mtp" else []
         for key in keys:
             a, b = getattr(mine, key), getattr(theirs.engine, key)
             if a != b:
                 raise _bad(key, "" if a is None else str(a), f"differs from stage model {name!r} ({b!r} in {path})")
+        # kv_cache_memory's bytes hold a draft model's pool beside the target's with speculation: draft;
+        # otherwise orchestrators of other methods share a stage (the bench's repository does)
+        drafts = (mine.method is SpecMethod.DRAFT, theirs.engine.method is SpecMethod.DRAFT)
+        if stage != "mtp" and mine.kv_cache_memory and drafts[0] != drafts[1]:
+            raise _bad("speculation", mine.speculation, f"differs from stage model {name!r} "
+                       f"({theirs.engine.speculation!r} in {path}), which sizes the pool from kv_cache_memory "
+                       f"{'with' if drafts[1] else 'without'} a draft model's pool")
     return notes

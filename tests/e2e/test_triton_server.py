@@ -309,12 +309,13 @@ BAD_REQUESTS = {
     "temperature negative": (lambda: grpc_inputs(text_input=PROMPT, temperature=-1.0), "temperature=-1.0"),
     "top_p zero": (lambda: grpc_inputs(text_input=PROMPT, top_p=0.0), "top_p=0.0"),
     "top_p above one": (lambda: grpc_inputs(text_input=PROMPT, top_p=1.5), "top_p=1.5"),
-    "top_k negative": (lambda: grpc_inputs(text_input=PROMPT, top_k=-1), "top_k=-1"),
+    "top_k below off": (lambda: grpc_inputs(text_input=PROMPT, top_k=-2), "top_k=-2"),  # -1 is vLLM's off
     "num_draft_tokens negative": (lambda: grpc_inputs(text_input=PROMPT, num_draft_tokens=-1), "num_draft_tokens"),
     "prompt too long": (lambda: grpc_inputs(input_ids=[5] * 1100, max_tokens=1), "input_ids: 1100 tokens"),
     "token id outside vocabulary": (lambda: grpc_inputs(input_ids=[5, 10**6]), "input_ids"),
     "invalid utf-8": (lambda: grpc_inputs(text_input=b"\xff\xfe\xfd"), "text_input: invalid UTF-8"),
-    "empty stop word": (lambda: grpc_inputs(text_input=PROMPT, stop_words=["ok", ""]), "stop_words"),
+    "end_id -1 with ignore_eos false": (lambda: grpc_inputs(text_input=PROMPT, end_id=-1, ignore_eos=False),
+                                        "end_id=-1"),
 }
 
 
