@@ -154,6 +154,7 @@ def _port(args, name: str) -> int | None:
 
 
 def _server(args, repo: Path) -> TritonServer:
+    from .repository import server_args  # here, as in validate_repository: the parser stays light
     return TritonServer(
         repo,
         http_port=_port(args, "http"),
@@ -164,6 +165,7 @@ def _server(args, repo: Path) -> TritonServer:
         tritonserver=args.tritonserver,
         model_control_mode="explicit",  # the supervisor unloads the orchestrator first on shutdown
         load_models=["*"],
+        extra_args=server_args(repo),
     )
 
 

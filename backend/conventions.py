@@ -179,14 +179,26 @@ def load_parameters(params: dict | str | None) -> dict:
     return dict(params)
 
 
-def parse_request_parameters(params: dict | str | None) -> dict:
+def parse_request_parameters(params: dict | str | None, forwarded: str = "") -> dict:
     """Request parameters (``request.parameters()``) -> SamplingParams keyword arguments. Over
     HTTP ``generate`` these are the body's keys that are not inputs (and the keys of its
     ``"parameters"`` object), so an unknown key here is most often a misspelt input: it is refused,
-    naming it. ``stream`` is read by the caller (:func:`stream_parameter`)."""
-    params = load_parameters(params)
+    naming it, unless ``forwarded`` matches it (:func:`drop_forwarded_headers`). ``stream`` is read
+    by the caller (:func:`stream_parameter`)."""
+    params = drop_forwarded_headers(load_parameters(params), forwarded)
     params.pop("stream", None)
     return sampling_fields(params, lambda k: k)
+
+
+def drop_forwarded_headers(params: dict, pattern: str) -> dict:
+    """``params`` without the headers tritonserver forwarded as request parameters: the keys that
+    ``pattern`` (the server's ``--grpc-header-forward-pattern`` / ``--http-header-forward-pattern``)
+    matches, as it matches header names, and that LightSpec does not read. A sampling key it would
+    match is still read: a broad pattern must not turn a client's ``temperature`` into a header."""
+    if not pattern:
+        return params
+    known = {*SAMPLING_KEYS, *NEUTRAL_KEYS, "stream"}
+    return {k: v for k, v in params.items() if k in known or re.search(pattern, k) is None}
 
 
 def stream_parameter(params: dict | str | None) -> bool | None:

@@ -20,7 +20,7 @@ import traceback
 
 import numpy as np
 
-from .conventions import load_parameters, parse_request_parameters, stream_parameter
+from .conventions import drop_forwarded_headers, load_parameters, parse_request_parameters, stream_parameter
 from .tensors import OUTPUTS
 
 OUTPUT_NAMES = [s.name for s in OUTPUTS]
@@ -107,11 +107,14 @@ def is_last(outputs: dict[str, np.ndarray]) -> bool:
 
 
 class BatchedFront:
-    """Forwards batched requests to ``target`` (the ``lightspec`` model). ``pb_utils`` passed in."""
+    """Forwards batched requests to ``target`` (the ``lightspec`` model). ``pb_utils`` passed in.
+    ``forwarded_headers``: the server's header-forwarding pattern; the headers it forwarded as
+    request parameters are not sent on (``BackendConfig``)."""
 
-    def __init__(self, pb_utils, target: str):
+    def __init__(self, pb_utils, target: str, forwarded_headers: str = ""):
         self.pb = pb_utils
         self.target = target
+        self.forwarded_headers = forwarded_headers
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
 
@@ -149,8 +152,8 @@ class BatchedFront:
     def _bls_request(self, request):
         pb = self.pb
         sent = request.parameters() if hasattr(request, "parameters") else None
-        arrays = trtllm_inputs({t.name(): unbatch(t.name(), t.as_numpy()) for t in request.inputs()},
-                               load_parameters(sent))  # fmt: skip
+        sent = drop_forwarded_headers(load_parameters(sent), self.forwarded_headers)
+        arrays = trtllm_inputs({t.name(): unbatch(t.name(), t.as_numpy()) for t in request.inputs()}, sent)
         inputs = [pb.Tensor(name, arr) for name, arr in arrays.items()]
         wanted = request.requested_output_names()
         names = sorted(set(wanted) | {"finish_reason"}) if wanted else OUTPUT_NAMES

@@ -198,17 +198,19 @@ def parse_request(
     max_model_len: int | None = None,
     vocab_size: int | None = None,
     parameters: dict | str | None = None,
+    forwarded_headers: str = "",
 ) -> GenerateRequest:
     """Parse and validate one request's tensors and request parameters (see :mod:`.conventions`).
     Defaults are documented in :mod:`.tensors`. A sampling field given twice (as a tensor, in
-    ``sampling_parameters``, as a request parameter) is refused: no precedence rule to guess."""
+    ``sampling_parameters``, as a request parameter) is refused: no precedence rule to guess.
+    ``forwarded_headers``: the server's header-forwarding pattern (``BackendConfig``)."""
     prompt = _prompt(get, vocab_size)
     kwargs, origin = _tensor_fields(get)
     _refuse_unsupported(get)
     text = _scalar(get, "sampling_parameters")
     if text is not None:
         _merge(kwargs, origin, parse_sampling_parameters(_decode("sampling_parameters", text)), "sampling_parameters")
-    _merge(kwargs, origin, parse_request_parameters(parameters), "parameter")
+    _merge(kwargs, origin, parse_request_parameters(parameters, forwarded_headers), "parameter")
     kwargs.setdefault("ignore_eos", False)
     max_tokens = kwargs.get("max_tokens", SamplingParams.max_tokens)
     if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:

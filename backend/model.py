@@ -105,7 +105,8 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     gc.collect()
     gc.freeze()  # what the model loaded (modules, tokenizer, engine): never scanned by a collection again
     orchestrator = Orchestrator(engine, pb_utils, reporter, control=control, restarts=restarts_from_env(),
-                                response_threads=config.response_threads)
+                                response_threads=config.response_threads,
+                                forwarded_headers=config.header_forward_pattern)
     return _OrchestratorModel(orchestrator, engine, reporter)
 
 
@@ -184,7 +185,7 @@ def _front(model_config: dict, config):
 
     if not pb_utils.using_decoupled_model_transaction_policy(model_config):
         raise ValueError("model_transaction_policy: the batched front must be decoupled (decoupled: true)")
-    return BatchedFront(pb_utils, config.orchestrator_model)
+    return BatchedFront(pb_utils, config.orchestrator_model, config.header_forward_pattern)
 
 
 class _StageModelAdapter:

@@ -54,8 +54,10 @@ class Orchestrator:
         control: ControlDir | None = None,
         restarts: int = 0,
         response_threads: int = 1,
+        forwarded_headers: str = "",
     ):
-        """``control``: the supervisor's drain requests; ``restarts``: its restarts before this one."""
+        """``control``: the supervisor's drain requests; ``restarts``: its restarts before this one;
+        ``forwarded_headers``: the server's header-forwarding pattern (``BackendConfig``)."""
         self.engine = engine
         self.pb = pb_utils
         self.log = pb_utils.Logger
@@ -63,6 +65,7 @@ class Orchestrator:
         self.cancel_poll_s = cancel_poll_s
         self.cancel_checks_per_poll = max(1, int(cancel_checks_per_s * cancel_poll_s))
         self.metrics_interval_s = metrics_interval_s
+        self.forwarded_headers = forwarded_headers
         self.max_model_len = getattr(engine, "max_model_len", None)
         model_config = getattr(engine, "model_config", None)
         self.vocab_size = getattr(model_config, "vocab_size", None)
@@ -103,7 +106,8 @@ class Orchestrator:
 
         entry = Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request, shard=n)
         try:
-            parsed = parse_request(get, self.max_model_len, self.vocab_size, request_parameters(request))
+            parsed = parse_request(get, self.max_model_len, self.vocab_size, request_parameters(request),
+                                   self.forwarded_headers)
         except ValueError as e:
             self.engine.stats.count_rejected()
             self._register(entry)

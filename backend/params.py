@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -40,6 +41,7 @@ BACKEND_PARAMS = ("role", "metrics", FRONT_TARGET_PARAM[0], *(p for p, _ in STAG
 BACKEND_PARAMS += ("stage_timeout_s",)  # the orchestrator's deadline for one stage call (lightspec_backend.bls)
 BACKEND_PARAMS += ("response_threads",)  # the orchestrator's threads sending responses (see BackendConfig)
 BACKEND_PARAMS += ("data_parallel_size",)  # engine processes with ``stages: process`` (engine_processes)
+BACKEND_PARAMS += ("header_forward_pattern",)  # tritonserver's header forwarding (BackendConfig)
 # Where the orchestrator's engine runs its stages: ``triton``, the stage models reached by BLS (each
 # replaceable by another engine, e.g. TensorRT on a GPU); ``local``, in the orchestrator's own
 # process, as the library does: no BLS round trip and no tensor copies through the stub per step,
@@ -71,6 +73,9 @@ class BackendConfig:
     stages: str = STAGES_PROCESS  # ``local``/``process``: every stage with the orchestrator's engine
     response_threads: int = 4  # the orchestrator's sending threads (why several: responses.ResponseThreads)
     data_parallel_size: int = 0  # engine processes with ``stages: process``; 0: engine_processes decides
+    # tritonserver's --grpc/--http-header-forward-pattern: it forwards the headers it matches as
+    # request parameters, which are not sampling keys (conventions.drop_forwarded_headers)
+    header_forward_pattern: str = ""
 
     def engine_processes(self) -> int:
         """How many engine processes serve with ``stages: process`` (lightspec_core.engine.shards):
@@ -233,8 +238,8 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
         engine = dataclasses.replace(engine, decode_nice=SERVING_DECODE_NICE)
     return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
                          orchestrator_model=front_target, stage_timeout_s=stage_timeout_s,
-                         stages=stages, response_threads=response_threads,
-                         data_parallel_size=data_parallel)  # fmt: skip
+                         stages=stages, response_threads=response_threads, data_parallel_size=data_parallel,
+                         header_forward_pattern=_pattern(params, "header_forward_pattern"))  # fmt: skip
 
 
 SERVING_DECODE_NICE = -10
@@ -249,6 +254,15 @@ def serving_decode_threads(num_threads: int, cpus: int) -> int:
     docs/benchmarks.md). Calls with drafts or prompt chunks keep ``num_threads``: they are
     compute, and more threads pay."""
     return max(1, (num_threads or cpus) - 1)
+
+
+def _pattern(params: dict[str, str], name: str) -> str:
+    raw = params.get(name, "").strip()
+    try:
+        re.compile(raw)
+    except re.error as e:
+        raise _bad(name, raw, f"not a regular expression ({e})") from None
+    return raw
 
 
 def _positive_int(params: dict[str, str], name: str, default: int, most: int) -> int:

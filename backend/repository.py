@@ -26,6 +26,7 @@ from .params import (
     STAGES_PROCESS,
     STAGES_TRITON,
     Role,
+    read_config_parameters,
 )
 from .tensors import INPUTS, OUTPUTS, TensorSpec
 
@@ -173,11 +174,15 @@ def render_orchestrator(params: dict[str, str], name: str = ORCHESTRATOR) -> str
     return _decoupled_model(comment, name, 0, params)
 
 
-def render_front(name: str = BATCHED_FRONT, target: str = ORCHESTRATOR) -> str:
+def render_front(name: str = BATCHED_FRONT, target: str = ORCHESTRATOR, forwarded_headers: str = "") -> str:
     """The batched front: the orchestrator's tensors with a batch dimension (``max_batch_size: 1``,
-    no dynamic batching: each request is forwarded on its own)."""
+    no dynamic batching: each request is forwarded on its own); the server's header-forwarding
+    pattern where the orchestrator has one."""
     comment = f"LightSpec batched front: [1, 1]-shaped (TensorRT-LLM style) requests, forwarded to {target}."
-    return _decoupled_model(comment, name, 1, {"role": Role.BATCHED.value, "orchestrator_model": target})
+    params = {"role": Role.BATCHED.value, "orchestrator_model": target}
+    if forwarded_headers:
+        params["header_forward_pattern"] = forwarded_headers
+    return _decoupled_model(comment, name, 1, params)
 
 
 def render_stage(role: Role, name: str, params: dict[str, str]) -> str:
@@ -197,7 +202,8 @@ def render_repository(overrides: dict[str, str] | None = None) -> dict[str, str]
     """Model name -> config.pbtxt text, for the orchestrator, its stages and the batched front."""
     overrides = {k: str(v) for k, v in (overrides or {}).items()}
     orch = orchestrator_parameters(overrides)
-    out = {ORCHESTRATOR: render_orchestrator(orch), BATCHED_FRONT: render_front()}
+    front = render_front(forwarded_headers=orch.get("header_forward_pattern", ""))
+    out = {ORCHESTRATOR: render_orchestrator(orch), BATCHED_FRONT: front}
     for role, name in _stage_models(orch).items():
         # a stage's num_threads only from overrides: the orchestrator's default of 1 is its own
         shared = {k: v for k, v in orch.items() if k != "num_threads" or k in overrides}
@@ -265,3 +271,12 @@ def _written_by_lightspec(folder: Path) -> bool:
         return backend_of(config) == BACKEND
     except ValueError:
         return False
+
+
+def server_args(repo: str | Path) -> list[str]:
+    """tritonserver's arguments for what ``repo``'s orchestrator is configured with: header
+    forwarding on both frontends for its ``header_forward_pattern`` (the server forwards the headers
+    as request parameters; the orchestrator and the batched front leave them alone)."""
+    path = Path(repo) / ORCHESTRATOR / "config.pbtxt"
+    pattern = read_config_parameters(path).get("header_forward_pattern", "").strip() if path.is_file() else ""
+    return [f"--grpc-header-forward-pattern={pattern}", f"--http-header-forward-pattern={pattern}"] if pattern else []

@@ -231,3 +231,14 @@ def test_serve_names_a_bad_set_by_model_and_parameter_not_by_the_generated_file_
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith("lightspec serve: model lightspec: parameter speculation='eagle': "), err
     assert str(tmp_path) not in err and not any((tmp_path / "repositories").iterdir())
+
+
+def test_serve_starts_tritonserver_forwarding_the_headers_the_orchestrator_leaves_alone(tmp_path):
+    from lightspec_backend.repository import write_model_repository
+
+    args = cli.build_parser().parse_args(["serve"])
+    plain = write_model_repository(tmp_path / "plain", {})
+    assert cli._server(args, plain).extra_args == []
+    repo = write_model_repository(tmp_path / "repo", {"header_forward_pattern": "^x-tenant"})
+    assert cli._server(args, repo).extra_args == ["--grpc-header-forward-pattern=^x-tenant",
+                                                  "--http-header-forward-pattern=^x-tenant"]  # fmt: skip

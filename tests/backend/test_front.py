@@ -109,3 +109,12 @@ def test_trtllm_streaming_with_the_prompt_requested_streams_the_new_text_only():
     assert "exclude_input_in_output" not in trtllm_inputs(_arrays(exclude_input_in_output=False), {"stream": True})
     whole = trtllm_inputs(_arrays(stream=False, exclude_input_in_output=False), {})
     assert whole["exclude_input_in_output"].item() is False  # not streaming: the prompt leads the text
+
+
+def test_forwarded_headers_are_not_sent_on_to_lightspec():
+    pb, seen = FakePbUtils(), {}
+    make = pb.InferenceRequest
+    pb.InferenceRequest = lambda *args, **kwargs: seen.update(kwargs) or make(*args, **kwargs)
+    front = BatchedFront(pb, "lightspec", forwarded_headers="^x-tenant")
+    front._bls_request(BatchedRequest('{"stream": true, "x-tenant-id": "acme"}'))
+    assert seen["parameters"] == {"stream": True}

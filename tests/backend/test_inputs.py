@@ -280,3 +280,16 @@ def test_a_negative_seed_in_sampling_parameters_is_its_64_bits_as_vllm_takes_any
     assert r.params.seed == (1 << 64) - 1  # what the UINT64 seed input carries for the same bits
     with pytest.raises(ValueError, match=r"^sampling_parameters: seed=-9223372036854775809"):
         parse_request(getter(text_input="x", sampling_parameters=f'{{"seed": {-(1 << 63) - 1}}}'))
+
+
+def test_headers_the_server_forwards_as_request_parameters_are_left_alone_where_configured():
+    sent = {"x-tenant-id": "acme", "traceparent": "00-ab-cd-01", "temperature": 0.5}
+    with pytest.raises(ValueError, match=r"^x-tenant-id: unknown key"):  # not configured: a misspelt input?
+        parse_request(getter(text_input="x"), parameters=sent)
+    r = parse_request(getter(text_input="x"), parameters=sent, forwarded_headers="^(x-tenant|traceparent)")
+    assert r.params.temperature == 0.5
+    # a broad pattern never hides a sampling key, nor a key it does not match
+    r = parse_request(getter(text_input="x"), parameters={"temperature": 0.5}, forwarded_headers=".*")
+    assert r.params.temperature == 0.5
+    with pytest.raises(ValueError, match=r"^temprature: unknown key"):
+        parse_request(getter(text_input="x"), parameters={"temprature": 0.5}, forwarded_headers="^x-")

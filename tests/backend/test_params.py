@@ -286,3 +286,14 @@ def test_an_engine_in_the_orchestrator_decodes_with_a_core_left_to_serving(monke
     assert parse_backend_config({"stages": "process"}).engine.decode_nice == -10
     assert parse_backend_config({"stages": "local", "decode_nice": "0"}).engine.decode_nice == 0
     assert parse_backend_config(BLS).engine.decode_nice == 0
+
+
+def test_header_forward_pattern_is_a_regular_expression_reaching_both_front_models(tmp_path):
+    assert parse_backend_config({"header_forward_pattern": "^x-tenant"}).header_forward_pattern == "^x-tenant"
+    assert parse_backend_config({}).header_forward_pattern == ""
+    with pytest.raises(ValueError, match=r"parameter header_forward_pattern='\(x': not a regular expression"):
+        parse_backend_config({"header_forward_pattern": "(x"})
+    repo = write_model_repository(tmp_path, {"header_forward_pattern": "^x-tenant"})
+    for model in ("lightspec", "lightspec_batched"):
+        cfg = parse_backend_config(read_config_parameters(repo / model / "config.pbtxt"), base_dir=repo)
+        assert cfg.header_forward_pattern == "^x-tenant"

@@ -201,6 +201,30 @@ def test_batched_front_forwards_http_body_keys_that_are_not_inputs(server, endpo
     assert events["lightspec"][-1][2] == "stop"
 
 
+def test_headers_the_server_forwards_reach_neither_model_as_sampling_keys(tmp_path, smoke_model, reference):
+    """tritonserver forwards the headers its pattern matches as request parameters; with the same
+    pattern as ``header_forward_pattern`` both models serve the request (they refused the key)."""
+    pattern = "^x-tenant"
+    overrides = {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "64", "block_size": "16",
+                 "speculation": "none", "header_forward_pattern": pattern}  # fmt: skip
+    repo = write_model_repository(tmp_path / "repo", overrides)
+    args = [f"--grpc-header-forward-pattern={pattern}", f"--http-header-forward-pattern={pattern}"]
+    with TritonServer(repo, cache_dir=tmp_path / "cache", model_control_mode="explicit",
+                      load_models=["lightspec", "lightspec_batched"], extra_args=args) as srv:  # fmt: skip
+        tenant = {"x-tenant-id": "acme"}
+        plain, err = grpc_stream(srv.grpc_url, "lightspec", grpc_inputs(text_input=PROMPT, max_tokens=8), headers=tenant)
+        assert err is None, err
+        assert text_of(plain) == PROMPT + greedy(reference, 8)  # not streamed: the prompt leads
+        batched, err = grpc_stream(srv.grpc_url, "lightspec_batched",
+                                   batched_inputs(text_input=PROMPT, max_tokens=8), headers=tenant)  # fmt: skip
+        assert err is None, err
+        assert text_of(batched) == text_of(plain)
+        req = urllib.request.Request(f"http://{srv.http_url}/v2/models/lightspec/generate", headers=tenant,
+                                     data=json.dumps({"text_input": PROMPT, "max_tokens": 8}).encode())  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["text_output"] == PROMPT + greedy(reference, 8)
+
+
 def test_batched_front_refuses_a_misspelt_parameter_by_name(server):
     body = {"text_input": PROMPT, "max_tokens": 4, "temprature": 0.5}
     status, text = http_post(server, "/v2/models/lightspec_batched/generate", body)

@@ -86,12 +86,12 @@ def grpc_generate(url: str, timeout: float = 120.0, model: str = "lightspec", ou
 
 
 def grpc_stream(url: str, model: str, inputs: list, timeout: float = 120.0, outputs: list[str] | None = None,
-                parameters: dict | None = None):
+                parameters: dict | None = None, headers: dict | None = None):
     """``grpc_generate`` for ready-made ``InferInput``s (any shapes); ``parameters``: the request's
-    parameters (gRPC sends them typed, a float as a double)."""
+    parameters (gRPC sends them typed, a float as a double); ``headers``: the stream's metadata."""
     client = grpcclient.InferenceServerClient(url)
     results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
     out = []
     wanted = [grpcclient.InferRequestedOutput(n) for n in outputs] if outputs else None
     try:
