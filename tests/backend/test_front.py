@@ -99,7 +99,8 @@ def test_trtllm_top_k_or_top_p_samples_at_its_temperature_or_its_default_one():
 
 def test_vllm_style_sampling_on_the_batched_front_is_left_as_sent():
     assert _sampling(trtllm_inputs(_arrays(temperature=0.5), {"top_k": 3})) == {"temperature": 0.5}
-    sp = {"sampling_parameters": np.array([b'{"temperature": 0.5}'], dtype=object)}
+    # with a top_k input and no temperature TensorRT-LLM's rule would add its default of 1.0
+    sp = {"sampling_parameters": np.array([b'{"temperature": 0.5}'], dtype=object), **_arrays(top_k=5)}
     assert "temperature" not in trtllm_inputs(sp, {}) and "sampling_parameters" in trtllm_inputs(sp, {})
 
 
