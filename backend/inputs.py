@@ -149,11 +149,6 @@ def _tensor_fields(get: Getter) -> tuple[dict, dict[str, str]]:
         kwargs[field], origin[field] = cast(v), name
     if kwargs.get("top_k") == -1:  # vLLM's spelling of "off" (HTTP generate's top_k key is this input)
         kwargs["top_k"] = 0
-    if kwargs.get("end_id") == -1:  # TensorRT-LLM's spelling of "no end token": nothing ends the output
-        if kwargs.get("ignore_eos") is False:
-            raise ValueError("end_id=-1: means no end token, and ignore_eos=false asks for one; send either")
-        del kwargs["end_id"]
-        kwargs["ignore_eos"] = True
     stop = _stop_words(get)
     if stop:
         kwargs["stop"], origin["stop"] = stop, "stop_words"
@@ -181,6 +176,22 @@ def _merge(kwargs: dict, origin: dict[str, str], extra: dict, source: str) -> No
         if field in origin:
             raise ValueError(f"{source}: {field} is also given by {origin[field]}; give it once")
         kwargs[field], origin[field] = value, f"{source}: {field}"
+
+
+def _end_id_replaces_eos(kwargs: dict, origin: dict[str, str]) -> None:
+    """TensorRT-LLM's ``end_id`` is the one token that ends the output, in place of the tokenizer's
+    EOS, and -1 means none ends it. ``ignore_eos`` false, sent with it, keeps EOS ending the output
+    too; with -1 that contradicts it. After the merges: ``ignore_eos`` may come from any source."""
+    if "end_id" not in kwargs:
+        return
+    keep_eos = kwargs.get("ignore_eos") is False
+    if kwargs["end_id"] == -1:
+        if keep_eos:
+            name = origin.get("ignore_eos", "ignore_eos")
+            raise ValueError(f"end_id=-1: means no end token, and {name}=false asks for one; send either")
+        del kwargs["end_id"]
+    if not keep_eos:
+        kwargs["ignore_eos"] = True
 
 
 def _sampling_params(kwargs: dict, origin: dict[str, str]) -> SamplingParams:
@@ -211,6 +222,7 @@ def parse_request(
     if text is not None:
         _merge(kwargs, origin, parse_sampling_parameters(_decode("sampling_parameters", text)), "sampling_parameters")
     _merge(kwargs, origin, parse_request_parameters(parameters, forwarded_headers), "parameter")
+    _end_id_replaces_eos(kwargs, origin)
     kwargs.setdefault("ignore_eos", False)
     max_tokens = kwargs.get("max_tokens", SamplingParams.max_tokens)
     if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:

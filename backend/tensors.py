@@ -65,8 +65,8 @@ INPUTS = [
         "skipped, as TensorRT-LLM's preprocessing skips them",
     ),
     TensorSpec(
-        "end_id", "INT32", (1,), doc="an end token id beside the tokenizer's EOS (TensorRT-LLM's replaces it), in "
-        "[0, vocabulary size); -1: no end token, as ignore_eos (TensorRT-LLM's spelling; refused with ignore_eos false)",
+        "end_id", "INT32", (1,), doc="the end token id in place of the tokenizer's EOS, as in TensorRT-LLM (with ignore_eos "
+        "false, beside it), in [0, vocabulary size); -1: no end token (refused with ignore_eos false)",
     ),
     TensorSpec(
         "ignore_eos", "BOOL", (1,), doc="default false; true keeps generating past the tokenizer's EOS (benchmarks)"

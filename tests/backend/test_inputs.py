@@ -275,6 +275,19 @@ def test_tensor_spellings_of_off_as_vllm_and_tensorrt_llm_send_them():
         parse_request(getter(text_input="x", end_id=-1, ignore_eos=False))
 
 
+def test_end_id_replaces_eos_as_in_tensorrt_llm_unless_ignore_eos_false_keeps_both():
+    r = parse_request(getter(text_input="x", end_id=7))
+    assert (r.params.end_id, r.params.ignore_eos) == (7, True)  # only end_id ends the output
+    r = parse_request(getter(text_input="x", end_id=7, ignore_eos=False))
+    assert (r.params.end_id, r.params.ignore_eos) == (7, False)  # asked for: EOS ends it too
+    r = parse_request(getter(text_input="x", end_id=7), parameters={"ignore_eos": False})
+    assert (r.params.end_id, r.params.ignore_eos) == (7, False)
+    assert not parse_request(getter(text_input="x")).params.ignore_eos  # no end_id: EOS ends it
+    # ignore_eos false as a request parameter contradicts end_id -1 as the tensor does
+    with pytest.raises(ValueError, match=r"^end_id=-1: means no end token, and parameter: ignore_eos=false"):
+        parse_request(getter(text_input="x", end_id=-1), parameters={"ignore_eos": False})
+
+
 def test_a_negative_seed_in_sampling_parameters_is_its_64_bits_as_vllm_takes_any_int64():
     r = parse_request(getter(text_input="x", sampling_parameters='{"seed": -1}'))
     assert r.params.seed == (1 << 64) - 1  # what the UINT64 seed input carries for the same bits
