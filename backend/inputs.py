@@ -133,6 +133,7 @@ _FIELD_TENSORS = (
     ("min_length", "min_tokens", int),
     ("ignore_eos", "ignore_eos", bool),
     ("stream_interval", "stream_interval", int),
+    ("return_perf_metrics", "return_perf_metrics", bool),
 )
 
 

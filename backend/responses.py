@@ -12,12 +12,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
 from lightspec_core.engine.outputs import RequestDelta
 
 from .inputs import GenerateRequest
+from .tensors import OUTPUT_SPECS, PERF_OUTPUTS
 
 
 @dataclass
@@ -110,6 +112,9 @@ def build_response(state: RequestState, delta: RequestDelta) -> dict[str, np.nda
         make["num_input_tokens"] = lambda: np.array([state.num_input_tokens], dtype=np.uint32)
     if req.return_num_output_tokens:
         make["num_output_tokens"] = lambda: np.array([len(ids)], dtype=np.uint32)
+    if delta.perf is not None:
+        for name, value in zip(PERF_OUTPUTS, delta.perf, strict=True):
+            make[name] = partial(np.array, [value], dtype=OUTPUT_SPECS[name].numpy_dtype)
     wanted = state.wanted
     return {name: f() for name, f in make.items() if wanted is None or name in wanted}
 

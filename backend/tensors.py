@@ -109,7 +109,24 @@ INPUTS = [
     TensorSpec("return_generation_logits", "BOOL", (1,), doc="TensorRT-LLM: only false"),
     TensorSpec("embedding_bias_words", "STRING", (-1,), doc="TensorRT-LLM: only empty"),
     TensorSpec("embedding_bias_weights", "FP32", (-1,), doc="TensorRT-LLM: only empty"),
+    TensorSpec(
+        "return_perf_metrics", "BOOL", (1,), doc="TensorRT-LLM: default false; true adds the `kv_cache_*` and "
+        "`*_time_ns` outputs to every response",
+    ),
 ]
+
+PERF_BLOCK_OUTPUTS = (
+    ("kv_cache_alloc_new_blocks", "KV blocks the request's tokens hold beyond those the prefix cache supplied"),
+    ("kv_cache_reused_blocks", "KV blocks the prefix cache supplied at the request's admission"),
+    ("kv_cache_alloc_total_blocks", "KV blocks holding the request's tokens (prompt and output so far)"),
+)
+PERF_TIME_OUTPUTS = (  # CLOCK_MONOTONIC, as TensorRT-LLM's steady clock; 0 while not yet
+    ("arrival_time_ns", "when the server took the request, ns of CLOCK_MONOTONIC (TensorRT-LLM's steady clock)"),
+    ("first_scheduled_time_ns", "when a step first computed the request (0: not yet), same clock"),
+    ("first_token_time_ns", "when its first token was generated (0: not yet), same clock"),
+    ("last_token_time_ns", "when its latest token was generated (0: not yet), same clock"),
+)
+PERF_OUTPUTS = tuple(name for name, _ in PERF_BLOCK_OUTPUTS + PERF_TIME_OUTPUTS)  # RequestDelta.perf's order
 
 OUTPUTS = [
     TensorSpec("text_output", "STRING", (-1,), doc="new text (streaming) or the whole completion"),
@@ -127,6 +144,9 @@ OUTPUTS = [
     TensorSpec(
         "acceptance_histogram", "INT32", (-1,), doc="[j]: verify steps of this request that accepted exactly j drafts"
     ),
+    # TensorRT-LLM's request perf metrics, only with `return_perf_metrics`, each as of this response
+    *(TensorSpec(name, "INT32", (1,), doc=doc) for name, doc in PERF_BLOCK_OUTPUTS),
+    *(TensorSpec(name, "INT64", (1,), doc=doc) for name, doc in PERF_TIME_OUTPUTS),
 ]
 
 INPUT_SPECS = {s.name: s for s in INPUTS}

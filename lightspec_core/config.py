@@ -48,6 +48,8 @@ class SamplingParams:
     ``ignore_eos``, and ``end_id``) are masked out of the target's distribution and stop strings
     are not matched, as vLLM does. ``stream_interval`` raises the engine's
     ``EngineConfig.stream_interval`` for this request (vLLM's rule: the larger of the two).
+    ``return_perf_metrics`` (TensorRT-LLM's name) adds the request's KV blocks and times to every
+    delta (``RequestDelta.perf``).
     """
 
     max_tokens: int | None = 64
@@ -62,6 +64,7 @@ class SamplingParams:
     priority: int = 0
     min_tokens: int = 0
     stream_interval: int | None = None
+    return_perf_metrics: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -25,6 +25,10 @@ class RequestDelta:
     num_accepted_tokens: int = 0
     # [j]: the request's verify steps with drafts that accepted exactly j (cumulative, like the counts)
     acceptance_histogram: list[int] = field(default_factory=list)
+    # with SamplingParams.return_perf_metrics, TensorRT-LLM's request perf metrics so far: KV blocks
+    # (new, reused from the prefix cache, total) and the times of arrival, first scheduling, first
+    # and last token in ns of CLOCK_MONOTONIC (TensorRT-LLM's steady clock; 0: not yet)
+    perf: tuple[int, int, int, int, int, int, int] | None = None
 
 
 @dataclass

@@ -196,6 +196,7 @@ class Scheduler:
             if not seq.admitted:  # a first admission, not a recompute after preemption
                 self.prefix_queries += seq.prompt_len
                 self.prefix_hits += seq.num_computed
+                seq.kv_reused_blocks, seq.kv_block_size = seq.num_computed // self.blocks.block_size, self.blocks.block_size
             self.waiting.pop(0)
             seq.status, seq.admitted = Status.RUNNING, True
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)

@@ -80,6 +80,9 @@ class Sequence:
         self.num_accepted = 0
         self.num_steps = 0
         self.admitted = False  # once: a recompute after preemption is not another prefix-cache query
+        # set at the first admission: the blocks the prefix cache supplied, and the pool's block size
+        self.kv_reused_blocks = 0
+        self.kv_block_size = 0
         self.accept_hist: list[int] = []  # [j]: verify steps with drafts that accepted exactly j of them
         # per draft position j, decayed counts: times j was reached (drafts < j all accepted) and
         # times it was accepted; their ratio is the conditional acceptance rate the policy uses

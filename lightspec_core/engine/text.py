@@ -54,5 +54,15 @@ def take_delta(seq: Sequence, finished: bool = False, interval: int = 1) -> Requ
         request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
         finish_reason=seq.finish_reason, error=seq.error, num_prompt_tokens=seq.prompt_len,
         num_output_tokens=seq.num_output, num_draft_tokens=seq.num_draft, num_accepted_tokens=seq.num_accepted,
-        acceptance_histogram=list(seq.accept_hist),
+        acceptance_histogram=list(seq.accept_hist), perf=perf_metrics(seq) if seq.params.return_perf_metrics else None,
     )
+
+
+def perf_metrics(seq: Sequence) -> tuple[int, int, int, int, int, int, int]:
+    """``RequestDelta.perf`` now. Total blocks: those holding the request's tokens; new: those
+    beyond what the prefix cache supplied (none before its first admission)."""
+    size = seq.kv_block_size
+    total = -(-seq.num_tokens // size) if size else 0
+    ns = [int(t * 1e9) if t is not None else 0 for t in (seq.t_arrival, seq.t_scheduled, seq.t_first_token,
+                                                          seq.t_last_token)]
+    return (total - seq.kv_reused_blocks, seq.kv_reused_blocks, total, *ns)

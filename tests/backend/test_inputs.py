@@ -288,6 +288,11 @@ def test_end_id_replaces_eos_as_in_tensorrt_llm_unless_ignore_eos_false_keeps_bo
         parse_request(getter(text_input="x", end_id=-1), parameters={"ignore_eos": False})
 
 
+def test_return_perf_metrics_is_a_tensorrt_llm_input_that_reaches_the_engine():
+    assert parse_request(getter(text_input="x", return_perf_metrics=True)).params.return_perf_metrics
+    assert not parse_request(getter(text_input="x")).params.return_perf_metrics
+
+
 def test_a_negative_seed_in_sampling_parameters_is_its_64_bits_as_vllm_takes_any_int64():
     r = parse_request(getter(text_input="x", sampling_parameters='{"seed": -1}'))
     assert r.params.seed == (1 << 64) - 1  # what the UINT64 seed input carries for the same bits

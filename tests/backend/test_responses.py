@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from lightspec_backend.inputs import GenerateRequest
 from lightspec_backend.responses import RequestState, build_response
 
@@ -116,3 +117,21 @@ def test_acceptance_histogram_is_the_latest_cumulative_one():
     last = build_response(s, RequestDelta("r", [], "", finished=True, finish_reason="cancelled"))
     assert last["acceptance_histogram"].tolist() == [1, 1]
     assert build_response(state(stream=True), deltas()[0])["acceptance_histogram"].tolist() == []
+
+
+def test_perf_metrics_become_tensorrt_llm_outputs_with_its_dtypes_only_when_asked():
+    perf = (3, 2, 5, 10**18, 10**18 + 1, 10**18 + 2, 10**18 + 3)  # times past 2**32: INT64, not INT32
+    delta = RequestDelta("r", [10], "a", num_prompt_tokens=4, num_output_tokens=1, perf=perf)
+    out = build_response(state(True), delta)
+    got = {n: (a.dtype, a.tolist()) for n, a in out.items() if n.startswith(("kv_cache_", "arrival", "first_", "last_"))}
+    assert got == {
+        "kv_cache_alloc_new_blocks": (np.int32, [3]),
+        "kv_cache_reused_blocks": (np.int32, [2]),
+        "kv_cache_alloc_total_blocks": (np.int32, [5]),
+        "arrival_time_ns": (np.int64, [10**18]),
+        "first_scheduled_time_ns": (np.int64, [10**18 + 1]),
+        "first_token_time_ns": (np.int64, [10**18 + 2]),
+        "last_token_time_ns": (np.int64, [10**18 + 3]),
+    }
+    plain = build_response(state(True), RequestDelta("r", [10], "a", num_prompt_tokens=4, num_output_tokens=1))
+    assert not any(n.endswith(("_ns", "_blocks")) for n in plain)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -163,6 +164,32 @@ def test_trtllm_beam_width_2_is_invalid_arg_naming_it(server):
     inputs = batched_inputs(text_input=PROMPT, max_tokens=4, beam_width=2)
     _, err = grpc_stream(server.grpc_url, "lightspec_batched", inputs)
     assert err is not None and err.message().startswith("beam_width=2: not supported")
+
+
+PERF = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
+        "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"]
+
+
+def test_trtllm_return_perf_metrics_streams_kv_blocks_and_steady_clock_times(server, reference):
+    t0 = time.monotonic_ns()
+    inputs = batched_inputs(text_input=PROMPT, max_tokens=12, stream=True, return_perf_metrics=True)
+    results, err = grpc_stream(server.grpc_url, "lightspec_batched", inputs, outputs=["text_output", *PERF])
+    t1 = time.monotonic_ns()
+    assert err is None, err
+    assert text_of(results) == greedy(reference, 12)
+    last = {n: results[-1].as_numpy(n) for n in PERF}
+    assert all(a is not None and a.shape == (1, 1) for a in last.values())
+    assert [last[n].dtype for n in PERF] == [np.int32] * 3 + [np.int64] * 4
+    new, reused, total, arrival, scheduled, first, final = (int(last[n][0, 0]) for n in PERF)
+    assert total == new + reused and total >= 1
+    # the server's CLOCK_MONOTONIC is this process's time.monotonic_ns (TensorRT-LLM's steady clock)
+    assert t0 <= arrival <= scheduled <= first <= final <= t1
+    # HTTP generate on lightspec: the outputs only when asked for
+    status, body = http_post(server, "/v2/models/lightspec/generate", {"text_input": PROMPT, "max_tokens": 4})
+    assert status == 200 and not set(PERF) & set(json.loads(body)), body
+    status, body = http_post(server, "/v2/models/lightspec/generate",
+                             {"text_input": PROMPT, "max_tokens": 4, "return_perf_metrics": True})  # fmt: skip
+    assert status == 200 and set(PERF) <= set(json.loads(body)), body
 
 
 def test_http_generate_on_the_batched_front(server, reference):
