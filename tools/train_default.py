@@ -8,7 +8,8 @@
 Produces ``OUT/target`` (Llama checkpoint, HF layout + tokenizer.json), ``OUT/mtp`` (K MTP heads trained
 with the target frozen, distilled from the target's own next-token distributions, which is what
 verification accepts against, plus ``draft_vocab.json``, the 1024 most frequent training token ids
-the heads propose from), ``OUT/draft`` (a 1-layer Llama with the same tokenizer) and
+the heads propose from and their loss is over, as ``lightspec train-heads``'s), ``OUT/draft`` (a
+1-layer Llama with the same tokenizer) and
 ``OUT/train_report.json`` (sizes, times, held-out loss and per-head greedy acceptance).
 
 Data: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` except ``site-packages``; files with a
@@ -87,8 +88,10 @@ def train_lm(model: LlamaModel, data, batch, seq, minutes, lr, max_steps, log, s
 
 def train_mtp(mtp, target, data, batch, seq, minutes, lr, max_steps, log, seed, generated=None, share=0.5):
     """``generated`` (optional, [n, seq] windows from ``greedy_windows``): that share of every
-    batch is drawn from them instead of the text. Returns (steps, seconds)."""
-    trainer = HeadTrainer(mtp, target, data, DistillConfig(batch, seq, lr, share, seed), generated)
+    batch is drawn from them instead of the text. The loss is over the heads' draft vocabulary,
+    the ids serving proposes from (all ids without one). Returns (steps, seconds)."""
+    vocab = torch.tensor(mtp.draft_vocab) if mtp.draft_vocab else None
+    trainer = HeadTrainer(mtp, target, data, DistillConfig(batch, seq, lr, share, seed), generated, vocab)
 
     def on_step(p, frac: float) -> None:
         if p.step % 50 == 0:
@@ -298,11 +301,11 @@ def train_family(a: argparse.Namespace, pr: dict, log, t_start: float) -> dict:
         target, train_data, pr["batch"], pr["seq"], pr["target_min"], 2e-3, pr["steps"], log, a.seed
     )
 
-    mtp = MTPHeads(MTPConfig(num_heads=a.num_heads, hidden_size=tcfg.hidden_size, intermediate_size=pr["mtp_inter"]))
+    draft_vocab = frequent_tokens(train_data, vocab, pr["draft_vocab"]) if 0 < pr["draft_vocab"] < vocab else None
+    mtp_cfg = MTPConfig(num_heads=a.num_heads, hidden_size=tcfg.hidden_size, intermediate_size=pr["mtp_inter"])
+    mtp = MTPHeads(mtp_cfg, draft_vocab)
     log(f"mtp heads: {num_params(mtp)} params")
     m_steps, m_time = train_mtp_preset(mtp, target, train_data, pr, a.mtp_lr or 2e-3, log, a.seed + 1)
-    if 0 < pr["draft_vocab"] < vocab:
-        mtp.draft_vocab = frequent_tokens(train_data, vocab, pr["draft_vocab"])
 
     draft = LlamaModel(LlamaConfig(vocab_size=vocab, **pr["draft"]))
     log(f"draft: {num_params(draft)} params")

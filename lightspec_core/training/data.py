@@ -73,13 +73,28 @@ def split_documents(docs: list[str], heldout_share: float = 0.05) -> tuple[list[
 def encode_documents(tokenizer, docs: list[str], eos_id: int | None) -> torch.Tensor:
     """The documents' token ids back to back [N] (int32), each followed by ``eos_id`` (when the
     model has one), as the target sees the end of a text. No other special tokens: a BOS in the
-    middle of a window is not what serving shows the target."""
+    middle of a window is not what serving shows the target (windows start with one instead: see
+    :func:`serving_prefix`)."""
     ids: list[int] = []
     for enc in tokenizer.encode_batch(docs, add_special_tokens=False):
         ids.extend(enc.ids)
         if eos_id is not None:
             ids.append(eos_id)
     return torch.tensor(ids, dtype=torch.int32)
+
+
+def serving_prefix(tokenizer) -> list[int]:
+    """The ids serving puts before a text prompt: what tokenizer.json's post-processor adds in front
+    of a text encoded with ``add_special_tokens`` (the engine's default, as transformers'
+    ``tokenizer(text)``). Llama's and Mistral's BOS; none for byte-level tokenizers such as GPT-2's,
+    Qwen's and the embedded model's, whose post-processor adds nothing."""
+    probe = "a"
+    plain = tokenizer.encode(probe, add_special_tokens=False).ids
+    full = tokenizer.encode(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
 
 
 def frequent_tokens(ids: torch.Tensor, vocab_size: int, n: int) -> list[int]:
@@ -89,9 +104,17 @@ def frequent_tokens(ids: torch.Tensor, vocab_size: int, n: int) -> list[int]:
     return sorted(order.tolist())
 
 
-def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
+def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator,
+            prefix: list[int] | tuple[int, ...] = ()) -> Iterator[torch.Tensor]:  # fmt: skip
     """Endless random windows [batch, seq + 1] (int64) of ``data``; all randomness from ``gen``, so
-    restoring its state resumes the same sequence of batches."""
+    restoring its state resumes the same sequence of batches.
+
+    ``prefix`` (:func:`serving_prefix`): the ids each window starts with, followed by
+    ``seq + 1 - len(prefix)`` tokens of ``data``. A served prompt is the BOS and then any piece of
+    text, so the target's hidden states, which the heads learn from, are the ones serving shows."""
+    head = torch.tensor(prefix, dtype=data.dtype)
+    n = seq + 1 - len(head)
+    assert n > 0, (seq, len(head))
     while True:
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-        yield torch.stack([data[s : s + seq + 1] for s in starts]).long()
+        yield torch.stack([torch.cat([head, data[s : s + n]]) for s in starts]).long()

@@ -49,13 +49,15 @@ class Budget:
 @dataclass
 class DistillConfig:
     """``batch`` windows of ``seq`` tokens per step, ``share`` of them from the target's greedy
-    continuations (when there are any); AdamW with a cosine schedule peaking at ``lr``."""
+    continuations (when there are any); AdamW with a cosine schedule peaking at ``lr``. ``prefix``:
+    the ids each text window starts with, serving's BOS (:func:`.data.serving_prefix`)."""
 
     batch: int = 16
     seq: int = 256
     lr: float = 2e-3
     share: float = 0.5
     seed: int = 0
+    prefix: tuple[int, ...] = ()
 
 
 class HeadTrainer:
@@ -69,7 +71,7 @@ class HeadTrainer:
         self.mtp, self.target, self.cfg, self.generated, self.vocab = mtp, target, cfg, generated, vocab
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.opt = torch.optim.AdamW(mtp.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        self._text = batches(text, cfg.batch, cfg.seq, self.gen)
+        self._text = batches(text, cfg.batch, cfg.seq, self.gen, cfg.prefix)
         self.device = next(mtp.parameters()).device
 
     def batch(self) -> torch.Tensor:

@@ -17,8 +17,23 @@ import torch
 
 from ..models.llama import LlamaConfig, LlamaModel
 from ..models.mtp_heads import MTPConfig, MTPHeads
-from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
-from .data import batches, encode_documents, find_files, frequent_tokens, read_documents, split_documents
+from .checkpoint import (
+    CHECKPOINT,
+    fit_differences,
+    load_checkpoint,
+    save_checkpoint,
+    target_differences,
+    target_identity,
+)
+from .data import (
+    batches,
+    encode_documents,
+    find_files,
+    frequent_tokens,
+    read_documents,
+    serving_prefix,
+    split_documents,
+)
 from .distill import greedy_windows
 from .evaluate import chain_acceptance, head_acceptance
 from .loop import Budget, Clock, DistillConfig, HeadTrainer, Progress, run_training
@@ -120,13 +135,15 @@ def load_target(model_dir: Path, seq: int, device: str) -> LlamaModel:
 
 @dataclass
 class Corpus:
-    """The user's text as token ids: ``train`` [N] and ``heldout`` [M] (int32)."""
+    """The user's text as token ids: ``train`` [N] and ``heldout`` [M] (int32), and ``prefix``, the
+    ids serving puts before a prompt (its BOS), which every window of them starts with."""
 
     train: torch.Tensor
     heldout: torch.Tensor
     files: int
     train_documents: int
     heldout_documents: int
+    prefix: tuple[int, ...] = ()
 
     def sizes(self) -> dict:
         return {"files": self.files, "train_documents": self.train_documents,
@@ -141,7 +158,7 @@ def load_corpus(paths: list[str], tok, eos_id: int | None, seq: int, heads: int)
     except ValueError as e:
         raise UsageError(str(e)) from None
     corpus = Corpus(encode_documents(tok, train_docs, eos_id), encode_documents(tok, held_docs, eos_id),
-                    len(files), len(train_docs), len(held_docs))  # fmt: skip
+                    len(files), len(train_docs), len(held_docs), tuple(serving_prefix(tok)))  # fmt: skip
     if len(corpus.train) < seq + 2:
         raise UsageError(f"--data: {len(corpus.train)} tokens of training text, --seq {seq} needs {seq + 2}")
     if len(corpus.heldout) < 2 * heads + 2:  # a window of 2 * heads + 1 tokens and the token after it
@@ -208,6 +225,8 @@ def run(args: argparse.Namespace) -> dict | None:
     saved = _previous_run(args.out, args.resume)
     clock = Clock(saved["progress"]["elapsed"] if saved else 0.0)
     target_cfg, tok = read_target(args.model)
+    identity = identify_target(args.model, target_cfg, tok)
+    check_resumed_target(args, saved, identity, target_cfg)
     s = resolve_settings(args, default_settings(target_cfg), saved["settings"] if saved else None)
     check_context(s["seq"], target_cfg)
     target = load_target(args.model, s["seq"], args.device)
@@ -221,7 +240,8 @@ def run(args: argparse.Namespace) -> dict | None:
     mtp = new_heads(target, s, corpus, saved)
     generated, held = saved_or_generated(args, s, corpus, budget, saved)
     vocab = torch.tensor(mtp.draft_vocab, device=args.device) if mtp.draft_vocab else None
-    cfg = DistillConfig(batch=s["batch"], seq=s["seq"], lr=s["lr"], share=s["share"], seed=s["seed"])
+    cfg = DistillConfig(batch=s["batch"], seq=s["seq"], lr=s["lr"], share=s["share"], seed=s["seed"],
+                        prefix=corpus.prefix)  # fmt: skip
     trainer = HeadTrainer(mtp, target, corpus.train, cfg, generated, vocab)
     progress = Progress(**saved["progress"]) if saved else Progress()
     if saved:
@@ -231,7 +251,8 @@ def run(args: argparse.Namespace) -> dict | None:
     def checkpoint(p: Progress) -> None:
         save_checkpoint(args.out, {"settings": s, "progress": asdict(p), "trainer": trainer.state_dict(),
                                    "torch_rng": torch.get_rng_state(), "draft_vocab": mtp.draft_vocab,
-                                   "generated": generated, "heldout_windows": held, "data": corpus.sizes()})  # fmt: skip
+                                   "generated": generated, "heldout_windows": held, "data": corpus.sizes(),
+                                   "target": identity})  # fmt: skip
 
     bar, on_step = progress_bar(budget, progress, clock, not args.quiet)
     with stop_on_signals() as should_stop, bar:
@@ -262,6 +283,31 @@ def _previous_run(out: Path, resume: bool) -> dict | None:
     return None
 
 
+def identify_target(model_dir: Path, cfg: LlamaConfig, tok) -> dict:
+    """:func:`.checkpoint.target_identity`, or a ``UsageError`` naming ``--model`` (no weights)."""
+    try:
+        return target_identity(model_dir, cfg, tok)
+    except OSError as e:
+        raise UsageError(f"--model {model_dir}: {e}") from None
+
+
+def check_resumed_target(args: argparse.Namespace, saved: dict | None, identity: dict, cfg: LlamaConfig) -> None:
+    """A resumed run's ``--model`` must be the target its checkpoint trained the heads for: a
+    ``UsageError`` names every difference. A checkpoint of format 1 recorded no target: its heads
+    need only fit the target's shapes, and the run records ``--model`` from then on."""
+    if saved is None:
+        return
+    if saved["target"] is None:
+        diffs, was = fit_differences(saved, cfg), ""
+        if not diffs:
+            say(args, f"{CHECKPOINT} records no target (an earlier format): resuming on --model's shapes alone")
+    else:
+        diffs, was = target_differences(saved["target"], identity), f" ({saved['target']['model']})"
+    if diffs:
+        raise UsageError(f"--resume: the checkpoint in --out was trained for another target{was} than --model "
+                         f"{args.model}: {'; '.join(diffs)}")  # fmt: skip
+
+
 def new_heads(target: LlamaModel, s: dict, corpus: Corpus, saved: dict | None) -> MTPHeads:
     """Freshly initialised heads sized from the target (a resumed run loads its weights later),
     proposing from the draft vocabulary: the checkpoint's, or the training text's most frequent ids."""
@@ -287,11 +333,11 @@ def saved_or_generated(args, s: dict, corpus: Corpus, budget: Budget, saved: dic
     generated, t0 = None, time.monotonic()
     if n:
         generated = greedy_windows(args.model, corpus.train, n, seq // 2, seq - seq // 2, s["seed"] + 1, cap,
-                                   args.device)  # fmt: skip
+                                   args.device, corpus.prefix)  # fmt: skip
         say(args, f"{len(generated)} greedy continuations of {seq} tokens in {time.monotonic() - t0:.0f}s")
     length = min(seq, len(corpus.heldout) - 1)
     held = greedy_windows(args.model, corpus.heldout, args.eval_windows, length // 2, length - length // 2,
-                          s["seed"] + 2, None, args.device)  # fmt: skip
+                          s["seed"] + 2, None, args.device, corpus.prefix)  # fmt: skip
     return generated, held
 
 
@@ -303,7 +349,7 @@ def finish(args, target, mtp: MTPHeads, corpus: Corpus, held: torch.Tensor, s: d
     mtp.save(args.out)
     length = held.shape[1]
     gen = torch.Generator().manual_seed(s["seed"] + 3)
-    text = next(batches(corpus.heldout, args.eval_windows, length - 1, gen))
+    text = next(batches(corpus.heldout, args.eval_windows, length - 1, gen, corpus.prefix))
     chain = chain_acceptance(target, mtp, held, length // 2)
     report = {
         "model": str(args.model),

@@ -6,7 +6,7 @@ The target (a Hugging Face directory: config.json, safetensors, tokenizer.json) 
 heads learn its next-token distributions on the user's text and, for ``--share`` of every batch, on
 its own greedy continuations of that text. ``OUT`` receives the heads (mtp_config.json,
 mtp.safetensors, draft_vocab.json: serve them with ``mtp_dir=OUT``), eval.json (the heads on
-held-out text) and checkpoint.pt, which ``--resume`` continues from.
+held-out text) and checkpoint.pt, which ``--resume`` continues from (for the same target only).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--minutes", type=float, metavar="M", help="wall-clock budget of the whole run (resumed parts count)"
     )
     ap.add_argument("--steps", type=int, metavar="N", help="optimiser steps (with --minutes: whichever ends first)")
-    ap.add_argument("--resume", action="store_true", help="continue OUT/checkpoint.pt (its settings hold)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue OUT/checkpoint.pt (its settings hold; --model must be the target it trained for)")  # fmt: skip
     for name, (kind, text) in SETTINGS_HELP.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar="X" if kind is float else "N", help=text)
     ap.add_argument("--eval-windows", type=int, default=64, metavar="N",

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tools import train_default
 from tools.train_default import main
 
 
@@ -55,3 +56,21 @@ def test_greedy_data_needs_a_trained_family(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x"), "--smoke", "--greedy-data", "4"])
     assert "--greedy-data: only with --heads-from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["family", "heads-from"])
+def test_the_heads_loss_is_over_the_draft_vocabulary_they_are_served_with(smoke_model, tmp_path, monkeypatch, mode):
+    """As ``lightspec train-heads``: the heads learn over the ids they will propose from."""
+    vocabs = []
+
+    class Recording(train_default.HeadTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            vocabs.append(self.vocab)
+
+    monkeypatch.setattr(train_default, "HeadTrainer", Recording)
+    extra = ["--heads-from", str(smoke_model)] if mode == "heads-from" else []
+    main(["--out", str(tmp_path / "out"), "--smoke", "--seed", "0", *extra])
+    served = json.loads((tmp_path / "out" / "mtp" / "draft_vocab.json").read_text())["token_ids"]
+    assert len(vocabs) == 1 and vocabs[0] is not None, vocabs
+    assert vocabs[0].tolist() == served and len(served) == 256

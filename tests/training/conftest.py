@@ -33,3 +33,18 @@ def smoke_text(smoke_model, text_dir):
 
     tok = Tokenizer.from_file(str(smoke_model / "target" / "tokenizer.json"))
     return encode_documents(tok, read_documents(find_files([text_dir])), eos_id=2)
+
+
+@pytest.fixture(scope="module")
+def bos_model(smoke_model, tmp_path_factory) -> Path:
+    """The smoke target with a tokenizer that puts ``<s>`` (id 1) before a prompt, as Llama's does."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    d = tmp_path_factory.mktemp("bos") / "target"
+    shutil.copytree(smoke_model / "target", d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    return d

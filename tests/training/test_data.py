@@ -13,6 +13,7 @@ from lightspec_core.training.data import (
     find_files,
     frequent_tokens,
     read_documents,
+    serving_prefix,
     split_documents,
 )
 
@@ -78,3 +79,21 @@ def test_batches_resume_from_the_generators_state():
     a = next(batches(data, 3, 8, gen))
     gen.set_state(state)
     assert torch.equal(next(batches(data, 3, 8, gen)), a)
+
+
+def test_batches_start_every_window_with_the_prefix_then_the_same_text():
+    data = torch.arange(100, dtype=torch.int32)
+    plain = next(batches(data, 3, 8, torch.Generator().manual_seed(0)))
+    with_bos = next(batches(data, 3, 8, torch.Generator().manual_seed(0), prefix=[1]))
+    assert with_bos.shape == (3, 9) and with_bos.dtype == torch.int64
+    assert torch.equal(with_bos, torch.cat([torch.ones(3, 1, dtype=torch.int64), plain[:, :-1]], dim=1))
+
+
+def test_the_serving_prefix_is_the_bos_the_tokenizer_puts_before_a_prompt(smoke_model, bos_model):
+    from tokenizers import Tokenizer
+
+    byte_level = Tokenizer.from_file(str(smoke_model / "target" / "tokenizer.json"))
+    llama_like = Tokenizer.from_file(str(bos_model / "tokenizer.json"))
+    assert serving_prefix(byte_level) == []  # GPT-2, Qwen, the embedded model: nothing before a prompt
+    assert serving_prefix(llama_like) == [1]
+    assert llama_like.encode("def f():").ids == [1, *byte_level.encode("def f():").ids]

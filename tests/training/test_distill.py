@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightspec_core.models.llama import LlamaModel
 from lightspec_core.models.mtp_heads import MTPHeads
+from lightspec_core.training import distill
 from lightspec_core.training.distill import cosine_lr, distill_loss, greedy_windows, mtp_chain_logits
 from lightspec_core.training.loop import DistillConfig, HeadTrainer
 
@@ -35,6 +37,64 @@ def test_the_loss_over_a_vocabulary_of_every_id_is_the_full_loss(family, smoke_t
     with torch.no_grad():
         full, every = distill_loss(mtp, target, x), distill_loss(mtp, target, x, torch.arange(512))
     torch.testing.assert_close(every, full)
+
+
+def whole_batch_loss(mtp, target, x, vocab=None):
+    """The loss as one expression over the whole batch: the teacher's softmax [B, T, V] and each
+    head's log-softmax [B, T - i, V_draft] at once (what :func:`distill_loss` computes in chunks)."""
+    with torch.no_grad():
+        hid = target.forward_train(x)
+        teacher = F.softmax(target.lm_head(hid), -1)
+        if vocab is not None:
+            teacher = teacher[..., vocab]
+    loss = hid.new_zeros(())
+    for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, x, vocab), start=1):
+        loss = loss - (teacher[:, i:] * F.log_softmax(lg, -1)).sum(-1).mean()
+    return loss
+
+
+def loss_and_grads(loss_fn, mtp, *args, **kwargs):
+    mtp.zero_grad(set_to_none=True)
+    loss = loss_fn(mtp, *args, **kwargs)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in mtp.parameters()]
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64, None])
+@pytest.mark.parametrize("vocab", [None, torch.tensor([3, 7, 100, 200, 511, *range(20, 90)])])
+def test_the_chunked_loss_and_its_gradients_equal_the_whole_batch_formulation(smoke_model, smoke_text, vocab,
+                                                                              chunk_rows):  # fmt: skip
+    target, mtp = LlamaModel.load(smoke_model / "target"), MTPHeads.load(smoke_model / "mtp")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    x = smoke_text[:64].long().view(2, 32)  # 64 rows: chunks of 1, 7 (the last one short), all at once
+    want, want_grads = loss_and_grads(whole_batch_loss, mtp, target, x, vocab)
+    got, got_grads = loss_and_grads(distill_loss, mtp, target, x, vocab, chunk_rows=chunk_rows)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(g.abs().sum() > 0 for g in want_grads)  # every parameter learns: a zero gradient proves nothing
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_the_loss_keeps_nothing_vocabulary_sized_and_takes_softmaxes_a_chunk_at_a_time(smoke_model, smoke_text,
+                                                                                      monkeypatch):  # fmt: skip
+    """Memory bounded whatever the batch: what autograd keeps for the backward pass is of the
+    hidden size, and a softmax sees at most one chunk of rows (the default chunk made 8 rows here)."""
+    target, mtp = LlamaModel.load(smoke_model / "target"), MTPHeads.load(smoke_model / "mtp")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    v, k = target.config.vocab_size, mtp.config.num_heads
+    monkeypatch.setattr(distill, "CHUNK_ELEMENTS", 8 * (2 * v + 4 * k * v), raising=False)
+    seen = []
+    for name in ("softmax", "log_softmax"):
+        real = getattr(F, name)
+        monkeypatch.setattr(F, name, lambda t, *a, _real=real, **kw: seen.append(t.shape) or _real(t, *a, **kw))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        loss = distill_loss(mtp, target, smoke_text[:128].long().view(4, 32))
+    loss.backward()
+    assert seen and max(torch.Size(s).numel() for s in seen) <= 8 * k * v, seen
+    assert saved and not [s for s in saved if s[-1] == v], saved
 
 
 def test_training_steps_lower_the_distillation_loss(smoke_model, smoke_text):

@@ -11,6 +11,7 @@ import signal
 import pytest
 import torch
 
+from lightspec_core.models.llama import LlamaModel
 from lightspec_core.models.mtp_heads import MTPHeads
 from lightspec_core.training import loop, run
 from lightspec_core.training.checkpoint import load_checkpoint
@@ -20,7 +21,11 @@ SMALL = ["--seq", "32", "--batch", "4", "--continuations", "8", "--eval-windows"
 
 
 def train(smoke_model, text_dir, out, *extra: str) -> int:
-    return main(["--model", str(smoke_model / "target"), "--data", str(text_dir), "--out", str(out), *SMALL, *extra])
+    return train_on(smoke_model / "target", text_dir, out, *extra)
+
+
+def train_on(model, text_dir, out, *extra: str) -> int:
+    return main(["--model", str(model), "--data", str(text_dir), "--out", str(out), *SMALL, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +223,85 @@ def test_a_run_on_a_cuda_device_trains_evaluates_and_writes_the_heads(smoke_mode
     assert MTPHeads.load(tmp_path / "out").config.num_heads == 4
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert report["steps"] == 1 and all(0.0 <= a <= 1.0 for a in report["head_greedy_acceptance"])
+
+
+def test_every_window_the_heads_learn_and_are_judged_on_starts_with_the_bos_serving_puts_first(bos_model, text_dir,
+                                                                                                tmp_path, monkeypatch):  # fmt: skip
+    """A Llama-style tokenizer puts <s> before every served prompt: the target's hidden states the
+    heads learn from, and are evaluated on, are the ones that follow it."""
+    seen = []
+    real_loss, real_eval = loop.distill_loss, run.head_acceptance
+    monkeypatch.setattr(loop, "distill_loss", lambda mtp, target, x, vocab=None: seen.append(x) or
+                        real_loss(mtp, target, x, vocab))  # fmt: skip
+    monkeypatch.setattr(run, "head_acceptance", lambda target, mtp, w: seen.append(w) or real_eval(target, mtp, w))
+    assert train_on(bos_model, text_dir, tmp_path / "out", "--steps", "2") == 0
+    state = load_checkpoint(tmp_path / "out")
+    assert len(seen) == 3  # two steps' batches (text and continuations), the evaluation's text windows
+    for windows in (*seen, state["generated"], state["heldout_windows"]):
+        assert windows[:, 0].eq(1).all(), windows[:, :3]
+
+
+@pytest.fixture(scope="module")
+def wide_model(smoke_model, tmp_path_factory):
+    """A target with the smoke tokenizer and twice its hidden size."""
+    from tests.models.factories import save_hf_checkpoint
+
+    d = save_hf_checkpoint(tmp_path_factory.mktemp("wide") / "target", "llama",
+                           {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256})  # fmt: skip
+    shutil.copy(smoke_model / "target" / "tokenizer.json", d / "tokenizer.json")
+    return d
+
+
+def retrained_model(smoke_model, tmp_path):
+    """The smoke target's config and tokenizer, other weights (a fine-tune's case)."""
+    d = tmp_path / "retrained"
+    shutil.copytree(smoke_model / "target", d)
+    model = LlamaModel.load(d)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    model.save(d)
+    return d
+
+
+def forbidden(*args, **kwargs):
+    raise AssertionError("the target's weights were loaded: the refusal must come first")
+
+
+@pytest.mark.parametrize(("other", "named"), [("wide", "hidden_size 64 in the checkpoint, 128 in --model"),
+                                              ("retrained", "weights differ"),
+                                              ("tokenizer", "tokenizer.json differ")])  # fmt: skip
+def test_resuming_for_another_target_is_refused_before_training_naming_what_differs(
+    trained, smoke_model, wide_model, bos_model, text_dir, tmp_path, monkeypatch, capsys, other, named
+):
+    model = {"wide": wide_model, "tokenizer": bos_model}.get(other) or retrained_model(smoke_model, tmp_path)
+    shutil.copytree(trained, tmp_path / "out")
+    monkeypatch.setattr(run, "load_target", forbidden)
+    assert train_on(model, text_dir, tmp_path / "out", "--steps", "5", "--resume") == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"lightspec train-heads: --resume: the checkpoint in --out was trained for another "
+                           f"target ({(smoke_model / 'target').resolve()}) than --model {model}: "), last  # fmt: skip
+    assert named in last, last
+
+
+def test_a_copy_of_the_target_elsewhere_is_the_same_target_and_resumes(trained, smoke_model, text_dir, tmp_path):
+    shutil.copytree(smoke_model / "target", tmp_path / "copy")
+    shutil.copytree(trained, tmp_path / "out")
+    assert train_on(tmp_path / "copy", text_dir, tmp_path / "out", "--steps", "5", "--resume") == 0
+    assert load_checkpoint(tmp_path / "out")["progress"]["step"] == 5
+
+
+def test_a_checkpoint_that_records_no_target_resumes_on_a_target_its_heads_fit_and_records_it(
+    trained, smoke_model, wide_model, text_dir, tmp_path, capsys
+):
+    """Checkpoints of the first format, written before the target was recorded: the heads' shapes
+    are checked, and the run records its target from then on."""
+    shutil.copytree(trained, tmp_path / "out")
+    state = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    state.pop("target", None)
+    torch.save({**state, "format": 1}, tmp_path / "out" / "checkpoint.pt")
+    assert train_on(wide_model, text_dir, tmp_path / "out", "--steps", "5", "--resume") == 2
+    assert "hidden_size 64 in the checkpoint, 128 in --model" in capsys.readouterr().err
+    assert train_on(smoke_model / "target", text_dir, tmp_path / "out", "--steps", "5", "--resume") == 0
+    state = load_checkpoint(tmp_path / "out")
+    assert state["format"] == 2 and state["progress"]["step"] == 5
+    assert state["target"]["model"] == str((smoke_model / "target").resolve())
