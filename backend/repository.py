@@ -57,6 +57,7 @@ STAGE_TENSORS: dict[type, list[TensorSpec]] = {
         TensorSpec("next_draft_ids", "INT64", (-1, -1)),
         TensorSpec("next_draft_conf", "FP32", (-1, -1)),
         TensorSpec("accepted", "INT32", (-1,)),
+        TensorSpec("finite", "BOOL", (-1,)),
     ],
     MTPCall: [
         TensorSpec("hidden", "FP32", (-1, -1)),

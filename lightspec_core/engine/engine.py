@@ -35,7 +35,7 @@ from .outputs import RequestDelta, RequestOutput
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .sequence import Sequence, Status, checked_prompt
 from .stats import RuntimeStats
-from .step import InFlight, failed_launch, pack_step, stamp_done, target_probs
+from .step import InFlight, failed_launch, nonfinite_error, pack_step, stamp_done, target_rows
 from .text import take_delta, truncate_at_stop
 
 log = logging.getLogger("lightspec")
@@ -246,9 +246,9 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a stage failure fails this micro-batch only; the engine goes on
             return [d for it in f.plan.items if (d := self._finish(it.seq, "error", f"stage failure: {e}"))]
         self._observe_target(f)
-        probs = target_probs(f, res.logits, self._eos) if len(res.logits) else None
+        tr = target_rows(f, res, self._eos)
         deltas = []
-        for b, (it, pr, rows, lrows) in enumerate(zip(f.plan.items, f.proposals, f.rows, f.logit_rows)):
+        for b, (it, pr, rows, lrows, ok) in enumerate(zip(f.plan.items, f.proposals, f.rows, f.logit_rows, tr.usable)):
             seq = it.seq
             if seq.aborted or seq.status is not Status.RUNNING:
                 # aborted: ends now; finished: done; preempted while in flight: recomputed later
@@ -261,7 +261,7 @@ class LLMEngine:
                 seq.num_computed += it.num_new
                 self.blocks.set_used(seq.request_id, seq.num_computed)
                 continue
-            d = self._verify(seq, it, pr, res, b, rows, probs[lrows] if lrows else None)
+            d = self._verify(seq, it, pr, res, b, rows, tr.probs[lrows] if lrows else None, ok)
             if d is not None:
                 deltas.append(d)
         return deltas
@@ -278,9 +278,11 @@ class LLMEngine:
         self.stats.counters["engine_steps_total"] += 1
 
     def _verify(self, seq: Sequence, it: ScheduledSeq, pr: Proposal, res, b: int, rows: list[int],
-                probs) -> RequestDelta | None:
-        """Verify one request's drafts, append what it gained (accepted drafts + the bonus token)."""
-        drafts = pr.draft_ids[: it.k]
+                probs, usable: int) -> RequestDelta | None:
+        """Verify one request's drafts, append what it gained (accepted drafts + the bonus token).
+        ``usable``: its rows before the first without finite logits; where its next token would come
+        from that one it ends with an error, as without drafts (a row past a rejected draft is unread)."""
+        drafts = pr.draft_ids[: min(it.k, usable)]
         if seq.params.greedy:
             # a greedy request below min_tokens has its rows as logits: the argmax with the end
             # tokens masked (see mask_end_tokens)
@@ -297,14 +299,15 @@ class LLMEngine:
         seq.num_computed += it.num_new + accepted
         seq.num_steps += 1
         seq.warm = True
-        d = self._append(seq, tokens)
+        error = nonfinite_error(seq.num_output + usable) if len(tokens) > usable else None
+        d = self._append(seq, tokens[:usable], error) if usable else self._finish(seq, "error", error)
         self.proposer.after_verify(seq, res, b, rows, len(drafts), accepted, pr)
         if seq.status is Status.RUNNING:
             self.blocks.trim(seq.request_id, seq.num_tokens)
             self.blocks.set_used(seq.request_id, seq.num_computed)
         return d
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> RequestDelta | None:
+    def _append(self, seq: Sequence, tokens: list[int], error: str | None = None) -> RequestDelta | None:
         self._observe_token_times(seq, len(tokens))
         sp = seq.params
         eos = self._eos
@@ -320,6 +323,8 @@ class LLMEngine:
                 return self._finish(seq, "stop", flush=False)
             if seq.num_output >= sp.max_tokens:
                 return self._finish(seq, "length")
+        if error is not None:  # the request fails after these tokens (see _verify)
+            return self._finish(seq, "error", error)
         return take_delta(seq, interval=max(self.config.stream_interval, sp.stream_interval or 1))
 
     def _observe_token_times(self, seq: Sequence, n: int) -> None:

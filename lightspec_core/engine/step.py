@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from ..spec.proposer import EMPTY, Proposal
-from ..spec.sampling import probs_from_logits
-from ..stages.contract import ModelCall, pack_block_tables
+from ..spec.sampling import probs_and_max
+from ..stages.contract import ModelCall, ModelResult, pack_block_tables
 from .scheduler import StepPlan
 
 
@@ -122,13 +122,45 @@ def mask_end_tokens(f: InFlight, logits: np.ndarray, eos: frozenset[int]) -> np.
     return logits if out is None else out
 
 
-def target_probs(f: InFlight, logits: np.ndarray, eos: frozenset[int] = frozenset()) -> np.ndarray:
+@dataclass
+class TargetRows:
+    """What verification reads of a target call besides its top-1 ids."""
+
+    probs: np.ndarray | None  # fp32 [R, V]: the distribution at each returned logits row (None: R is 0)
+    usable: list[int]  # per plan item: how many of its sample rows come before its first non-finite one
+
+
+def target_rows(f: InFlight, res: ModelResult, eos: frozenset[int] = frozenset()) -> TargetRows:
     """The target's distributions at every returned logits row, in one batched call (one per
     request cost more than the verification itself on a mixed batch); the end tokens masked
-    where ``min_tokens`` requires it (greedy rows become a one-hot on the masked argmax)."""
+    where ``min_tokens`` requires it (greedy rows become a one-hot on the masked argmax).
+
+    A row whose logits are not finite (a NaN, a +inf, or no finite value left after that masking)
+    has no distribution: verification reads a request's rows up to its first such row only (see
+    ``nonfinite_error``). The stage says it of every row (``ModelResult.finite``, the greedy rows'
+    only word, as they come back as top-1 ids); of the logits rows, so do the maxima the softmax
+    takes anyway (``probs_and_max``)."""
+    usable = [len(rows) for rows in f.rows]
+    finite = np.asarray(res.finite, np.bool_)
+    if finite.size and not finite.all():
+        usable = [u if finite[rows].all() else int(finite[rows].argmin()) for u, rows in zip(usable, f.rows)]
+    logits = res.logits
+    if not len(logits):
+        return TargetRows(None, usable)
     params = [it.seq.params for it, lr in zip(f.plan.items, f.logit_rows) for _ in lr]
-    return probs_from_logits(
-        torch.from_numpy(mask_end_tokens(f, logits, eos)), torch.tensor([p.temperature for p in params], dtype=torch.float32),
+    probs, row_max = probs_and_max(
+        torch.from_numpy(mask_end_tokens(f, logits, eos)),
+        torch.tensor([p.temperature for p in params], dtype=torch.float32),
         torch.tensor([p.top_k for p in params], dtype=torch.int64),
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
-    ).numpy()
+    )
+    finite = np.isfinite(row_max.numpy())  # numpy: torch dispatches slower than a few values take
+    if not finite.all():  # per request: its first row without a distribution (argmin: the first False)
+        usable = [u if finite[lr].all() else min(u, int(finite[lr].argmin())) for u, lr in zip(usable, f.logit_rows)]
+    return TargetRows(probs.numpy(), usable)
+
+
+def nonfinite_error(position: int) -> str:
+    """A request's error when the logits that predict its output token ``position`` (0-based: the
+    tokens it generated before) are not finite: a broken checkpoint, or an overflow in float16."""
+    return f"the target model's logits are not finite (NaN or inf) at output position {position}"

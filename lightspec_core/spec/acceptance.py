@@ -62,7 +62,8 @@ class ConfidenceStats:
         self.min_step = min_step
 
     def bucket(self, conf: float) -> int:
-        return min(max(int(conf * self.buckets), 0), self.buckets - 1)
+        # NaN (a proposer's logits were not finite) counts with the lowest confidences
+        return min(int(min(conf, 1.0) * self.buckets), self.buckets - 1) if conf > 0 else 0
 
     def observe(self, confs: list[float], accepted: int, sampled: bool = False) -> None:
         """``confs``: the confidences of one request's verified drafts, in order; ``accepted``: how

@@ -18,13 +18,27 @@ def probs_from_logits(
     Rows with temperature 0 become a one-hot on the argmax (greedy is the limit T -> 0).
     top_k 0 disables top-k; top_p 1 disables nucleus filtering. Ties at the top-k threshold are kept.
     """
+    return probs_and_max(logits, temperature, top_k, top_p)[0]
+
+
+def probs_and_max(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`probs_from_logits`, and each row's largest logit [B], which it computes anyway.
+
+    The maxima tell, at the cost of B values rather than a pass over [B, V], the rows that give no
+    distribution: the max is NaN where a row holds a NaN (torch's max propagates it), +inf where it
+    holds +inf, and -inf where every token is masked. A row with masked tokens (-inf) beside a
+    finite one has a finite max: masking is no fault.
+    """
     logits = logits.float()
     v = logits.shape[1]
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     # shifted first, so that a tiny temperature cannot overflow a logit to inf (softmax would then
     # take inf - inf): the largest becomes 0 and the others -inf, greedy's limit
-    scaled = (logits - logits.amax(-1, keepdim=True)) / t
+    row_max = logits.amax(-1, keepdim=True)
+    scaled = (logits - row_max) / t
     off = (top_k <= 0) | (top_k >= v)
     if not bool(off.all()):
         k = torch.where(off, torch.ones_like(top_k), top_k)
@@ -49,7 +63,7 @@ def probs_from_logits(
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), onehot, probs)
-    return probs
+    return probs, row_max.squeeze(1)
 
 
 def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,10 @@ def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
     from p_k. For every prefix the emitted token is then distributed exactly as p_j:
     P(emit x) = q(x)·min(1, p(x)/q(x)) + (1 - Σ_y min(q(y), p(y)))·max(0, p(x)-q(x))/Z = p(x),
     because Z = Σ_y max(0, p(y)-q(y)) = 1 - Σ_y min(q(y), p(y)).
+
+    A proposal row that is not finite (a proposer whose logits were NaN or inf: its softmax is NaN)
+    rejects its draft, and the token is drawn from p_j itself: still distributed exactly as p_j,
+    since whether q_j is finite was settled before the draft was drawn. A draft is only a proposal.
     """
     out: list[int] = []
     for j, x in enumerate(draft_ids):
@@ -66,7 +70,9 @@ def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
         else:
             resid = np.maximum(pj.astype(np.float64) - qj, 0.0)
         z = resid.sum()
-        if z <= 0:  # p == q on the support: rejection had probability 0; fall back to p
+        # z <= 0: p == q on the support, rejection had probability 0. z NaN: q_j is not finite (a
+        # softmax over a NaN or inf logit is NaN throughout, q_j(x) too: rejected without a draw)
+        if not z > 0:
             resid, z = pj.astype(np.float64), float(pj.sum())
         out.append(int(_sample(resid / z, rng)))
         return out

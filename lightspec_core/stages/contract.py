@@ -54,6 +54,9 @@ class ModelResult:
     next_draft_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # int64 [B, K]
     next_draft_conf: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # fp32 [B, K]
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
+    # bool [M]: whether each row's logits are finite, told from its top-1 logit (NaN wherever the row
+    # holds one: the argmax takes NaN for the largest); [0]: not reported, every row counts as finite
+    finite: np.ndarray = field(default_factory=lambda: np.zeros(0, np.bool_))
 
 
 @dataclass

@@ -145,7 +145,8 @@ class _ConfidenceStop:
         conf = -np.expm1(gap[:, 1] - gap[:, 0])
         if q is not None:
             conf = np.where(greedy.cpu().numpy(), conf, q.amax(-1).float().cpu().numpy())
-        bucket = np.minimum((conf * self.buckets).astype(np.int64), self.buckets - 1)
+        # NaN (the heads' logits were not finite) is the lowest bucket, not an index out of range
+        bucket = np.minimum((np.where(conf > 0, conf, 0.0) * self.buckets).astype(np.int64), self.buckets - 1)
         self.cum = self.cum * self.cal[self.mode, min(i, self.last_pos), bucket]
         kept = self.cum >= self.floor
         out_rows, out_sel = rows, None
@@ -211,7 +212,7 @@ class _LoneRowStop:
         best2 = np.array([first, row.max()], np.float32)
         row[pick] = first
         conf = -np.expm1(best2[1:] - best2[:1])  # 1 - exp(-gap of the two best logits)
-        bucket = np.minimum((conf * self.buckets).astype(np.int64), self.buckets - 1)
+        bucket = np.minimum((np.where(conf > 0, conf, 0.0) * self.buckets).astype(np.int64), self.buckets - 1)
         self.cum = self.cum * self.cal[0, min(i, self.last_pos), bucket]
         if not (self.cum >= self.floor)[0]:
             return False

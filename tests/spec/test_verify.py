@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from lightspec_core.spec.sampling import probs_from_logits, sample_with_uniforms
+from lightspec_core.spec.sampling import probs_and_max, probs_from_logits, sample_with_uniforms
 from lightspec_core.spec.verify import verify_greedy, verify_rejection
 
 
@@ -54,6 +54,24 @@ def test_a_proposal_over_fewer_ids_than_the_target_is_verified_as_zero_past_them
         narrow = verify_rejection(drafts, q, p, np.random.default_rng(seed))
         padded = verify_rejection(drafts, np.pad(q, ((0, 0), (0, 3))), p, np.random.default_rng(seed))
         assert narrow == padded
+
+
+@pytest.mark.parametrize("proposal", ["nan", "nan-on-its-vocabulary"])
+def test_a_proposal_that_is_not_finite_rejects_its_draft_and_draws_from_the_target(proposal):
+    """A proposer whose logits were NaN or inf proposes a NaN distribution (a draft model's or MTP
+    heads' over a smaller vocabulary: NaN on theirs, 0 past it). Its draft is only a proposal: the
+    token comes from the target's distribution, drawn as without drafts."""
+    gen = np.random.default_rng(0)
+    for _ in range(200):
+        p = gen.dirichlet(np.ones(12), size=3)
+        q = gen.dirichlet(np.ones(12), size=2)
+        q[0] = np.nan
+        if proposal == "nan-on-its-vocabulary":
+            q[0, 8:] = 0.0
+        drafts = [int(gen.integers(8)), int(gen.integers(12))]
+        seed = int(gen.integers(1 << 30))
+        out = verify_rejection(drafts, q, p, np.random.default_rng(seed))
+        assert out == verify_rejection([], None, p[:1], np.random.default_rng(seed))
 
 
 def test_chi_square_detects_a_biased_verifier():
@@ -105,3 +123,17 @@ def test_inverse_cdf_sampling_follows_probs():
     counts = np.bincount(sample_with_uniforms(probs, u).numpy(), minlength=4)
     assert counts[1] == 0
     assert chisquare(counts[[0, 2, 3]], np.array([0.1, 0.6, 0.3]) * 20000).pvalue > 1e-3
+
+
+def test_the_row_maxima_tell_the_rows_without_a_distribution_and_masking_is_no_fault():
+    logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    logits[1, 3] = float("nan")
+    logits[2, 4] = float("inf")
+    logits[3] = float("-inf")  # every token masked: nothing to sample
+    logits[4, :16] = float("-inf")  # masked tokens beside finite ones: a distribution
+    args = (torch.tensor([1.0, 1.0, 1.0, 0.0, 0.7]), torch.tensor([0, 0, 5, 0, 3]), torch.tensor([1.0, 1.0, 1.0, 1.0, 0.9]))
+    probs, row_max = probs_and_max(logits, *args)
+    torch.testing.assert_close(probs, probs_from_logits(logits, *args), rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(row_max).tolist() == [True, False, False, False, True]
+    assert row_max[0] == logits[0].max() and row_max[4] == logits[4].max()
+    assert torch.isfinite(probs[[0, 4]]).all() and (probs[4, :16] == 0).all()
