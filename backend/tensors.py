@@ -116,9 +116,9 @@ INPUTS = [
 ]
 
 PERF_BLOCK_OUTPUTS = (
-    ("kv_cache_alloc_new_blocks", "KV blocks the request's tokens hold beyond those the prefix cache supplied"),
+    ("kv_cache_alloc_new_blocks", "KV blocks allocated for the request: those its tokens hold beyond the reused"),
     ("kv_cache_reused_blocks", "KV blocks the prefix cache supplied at the request's admission"),
-    ("kv_cache_alloc_total_blocks", "KV blocks holding the request's tokens (prompt and output so far)"),
+    ("kv_cache_alloc_total_blocks", "KV blocks allocated for it in all (TensorRT-LLM's count: the reused excluded)"),
 )
 PERF_TIME_OUTPUTS = (  # CLOCK_MONOTONIC, as TensorRT-LLM's steady clock; 0 while not yet
     ("arrival_time_ns", "when the server took the request, ns of CLOCK_MONOTONIC (TensorRT-LLM's steady clock)"),

@@ -26,7 +26,7 @@ class RequestDelta:
     # [j]: the request's verify steps with drafts that accepted exactly j (cumulative, like the counts)
     acceptance_histogram: list[int] = field(default_factory=list)
     # with SamplingParams.return_perf_metrics, TensorRT-LLM's request perf metrics so far: KV blocks
-    # (new, reused from the prefix cache, total) and the times of arrival, first scheduling, first
+    # (newly allocated, reused from the prefix cache, allocated in total) and the times of arrival, first scheduling, first
     # and last token in ns of CLOCK_MONOTONIC (TensorRT-LLM's steady clock; 0: not yet)
     perf: tuple[int, int, int, int, int, int, int] | None = None
 

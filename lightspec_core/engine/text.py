@@ -59,10 +59,11 @@ def take_delta(seq: Sequence, finished: bool = False, interval: int = 1) -> Requ
 
 
 def perf_metrics(seq: Sequence) -> tuple[int, int, int, int, int, int, int]:
-    """``RequestDelta.perf`` now. Total blocks: those holding the request's tokens; new: those
-    beyond what the prefix cache supplied (none before its first admission)."""
+    """``RequestDelta.perf`` now. As TensorRT-LLM counts them, allocated blocks (new and total: the
+    same here) are those the request's tokens hold beyond what the prefix cache supplied, reused ones
+    the cache's (none before its first admission): a repeated prompt of 5 blocks gives 1, 1, 4."""
     size = seq.kv_block_size
-    total = -(-seq.num_tokens // size) if size else 0
+    allocated = -(-seq.num_tokens // size) - seq.kv_reused_blocks if size else 0
     ns = [int(t * 1e9) if t is not None else 0 for t in (seq.t_arrival, seq.t_scheduled, seq.t_first_token,
                                                           seq.t_last_token)]
-    return (total - seq.kv_reused_blocks, seq.kv_reused_blocks, total, *ns)
+    return (allocated, seq.kv_reused_blocks, allocated, *ns)

@@ -181,7 +181,7 @@ def test_trtllm_return_perf_metrics_streams_kv_blocks_and_steady_clock_times(ser
     assert all(a is not None and a.shape == (1, 1) for a in last.values())
     assert [last[n].dtype for n in PERF] == [np.int32] * 3 + [np.int64] * 4
     new, reused, total, arrival, scheduled, first, final = (int(last[n][0, 0]) for n in PERF)
-    assert total == new + reused and total >= 1
+    assert total == new >= 1 and reused >= 0
     # the server's CLOCK_MONOTONIC is this process's time.monotonic_ns (TensorRT-LLM's steady clock)
     assert t0 <= arrival <= scheduled <= first <= final <= t1
     # HTTP generate on lightspec: the outputs only when asked for
