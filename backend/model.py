@@ -32,6 +32,7 @@ from lightspec_backend.params import (
     flatten_parameters,
     parse_backend_config,
 )
+from lightspec_backend.repository import check_stage_tensors
 
 
 class TritonPythonModel:
@@ -47,6 +48,7 @@ class TritonPythonModel:
         elif self.config.role is Role.BATCHED:
             self.impl = _front(model_config, self.config)
         else:
+            check_stage_tensors(self.config.role, model_config)
             self.impl = _stage(args, self.config)
         pb_utils.Logger.log_info(f"[lightspec] {self.name}: role={self.config.role.value} ready (python {sys.prefix})")
 

@@ -186,14 +186,35 @@ def render_front(name: str = BATCHED_FRONT, target: str = ORCHESTRATOR, forwarde
     return _decoupled_model(comment, name, 1, params)
 
 
+def stage_tensors(role: Role) -> dict[str, list[TensorSpec]]:
+    """The inputs and outputs a stage model of ``role`` declares: its call's and result's fields."""
+    call_cls, result_cls = STAGE_IO[role]
+    return {"input": STAGE_TENSORS[call_cls] + STAGE_TENSORS[ProfileCall],
+            "output": STAGE_TENSORS[result_cls] + STAGE_TENSORS[ProfileResult]}  # fmt: skip
+
+
+def check_stage_tensors(role: Role, model_config: dict) -> None:
+    """Fail a stage model's load when its config (Triton's JSON form) lacks a tensor of this version's
+    contract: a repository written by an older LightSpec, whose every call would fail on the output
+    the orchestrator asks for and the stage does not declare."""
+    for kind, specs in stage_tensors(role).items():
+        have = {t.get("name") for t in model_config.get(kind, [])}
+        missing = [s.name for s in specs if s.name not in have]
+        if missing:
+            raise ValueError(f"config.pbtxt: the {role.value} stage declares no {kind} {', '.join(missing)}: the "
+                             "repository was written by an older LightSpec; write it again with `lightspec "
+                             "repository` (or let `lightspec serve` write it)")
+
+
 def render_stage(role: Role, name: str, params: dict[str, str]) -> str:
     call_cls, result_cls = STAGE_IO[role]
+    tensors = stage_tensors(role)
     return (
         f"# LightSpec {role.value} stage: tensors are the fields of lightspec_core.stages."
         f"{call_cls.__name__} / {result_cls.__name__}.\n"
         f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 0\n'
-        + _tensor_block("input", STAGE_TENSORS[call_cls] + STAGE_TENSORS[ProfileCall], True)
-        + _tensor_block("output", STAGE_TENSORS[result_cls] + STAGE_TENSORS[ProfileResult], False)
+        + _tensor_block("input", tensors["input"], True)
+        + _tensor_block("output", tensors["output"], False)
         + "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
         + _params_block({"role": role.value, **params})
     )

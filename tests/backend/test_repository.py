@@ -8,9 +8,15 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from google.protobuf import text_format
-from lightspec_backend.params import available_cpus, parse_backend_config, read_config_parameters, stage_threads
-from lightspec_backend.repository import STAGE_TENSORS, render_repository, write_model_repository
+from google.protobuf import json_format, text_format
+from lightspec_backend.params import Role, available_cpus, parse_backend_config, read_config_parameters, stage_threads
+from lightspec_backend.repository import (
+    STAGE_TENSORS,
+    check_stage_tensors,
+    render_repository,
+    render_stage,
+    write_model_repository,
+)
 from lightspec_backend.tensors import INPUTS, OUTPUTS
 from tritonclient.grpc import model_config_pb2
 
@@ -181,3 +187,16 @@ def test_rewrite_keeps_other_backends_models_and_folders_without_a_config(tmp_pa
     ]  # fmt: skip
     assert parse((onnx / "config.pbtxt").read_text()).backend == "onnxruntime" and (onnx / "1").is_dir()
     assert (tmp_path / "notes" / "1" / "data.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("role", [Role.TARGET, Role.DRAFT, Role.MTP])
+def test_a_stage_config_missing_a_tensor_of_the_contract_fails_its_load_naming_it(role):
+    """A repository written before ModelResult.finite existed: every BLS call would ask the stage for
+    an output it does not declare and fail; the stage's load fails instead, saying what to do."""
+    text = render_stage(role, "s", {})
+    as_triton = json_format.MessageToDict(parse(text), preserving_proto_field_name=True)
+    check_stage_tensors(role, as_triton)  # the current config declares everything
+    gone = "finite" if role is not Role.MTP else "draft_conf"
+    as_triton["output"] = [t for t in as_triton["output"] if t["name"] != gone]
+    with pytest.raises(ValueError, match=rf"declares no output {gone}: the repository was written by an older"):
+        check_stage_tensors(role, as_triton)
