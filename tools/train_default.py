@@ -116,6 +116,7 @@ def evaluate(target, mtp, draft, valid, seq, n_batches, seed):
     tl = dl = 0.0
     agree = [0.0] * mtp.config.num_heads
     draft_agree = 0.0
+    vocab = torch.tensor(mtp.draft_vocab) if mtp.draft_vocab else None
     for _ in range(n_batches):
         x = next(it)
         inp, lab = x[:, :-1], x[:, 1:]
@@ -126,8 +127,9 @@ def evaluate(target, mtp, draft, valid, seq, n_batches, seed):
         dl += F.cross_entropy(dlog.flatten(0, 1), lab.flatten()).item()
         greedy = tlog.argmax(-1)
         draft_agree += (dlog.argmax(-1) == greedy).float().mean().item()
-        for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, inp), start=1):
-            agree[i - 1] += (lg.argmax(-1) == greedy[:, i:]).float().mean().item()
+        for i, lg in enumerate(mtp_chain_logits(mtp, target, hid, inp, vocab), start=1):
+            pick = lg.argmax(-1) if vocab is None else vocab[lg.argmax(-1)]  # the ids serving would propose
+            agree[i - 1] += (pick == greedy[:, i:]).float().mean().item()
     return {
         "target_val_loss": round(tl / n_batches, 4),
         "draft_val_loss": round(dl / n_batches, 4),

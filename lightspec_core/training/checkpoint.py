@@ -45,17 +45,25 @@ def load_checkpoint(out: Path) -> dict:
 
 def target_identity(model_dir: Path, cfg: LlamaConfig, tokenizer) -> dict:
     """What the heads are trained for: the target's directory (to name it), its config as LightSpec
-    reads it, and digests of its tokenizer and of its weight files. Another directory holding the
-    same files is the same target. The weights are hashed whole: a fine-tune has its base's shapes
-    and config, and heads resumed on the other would silently learn a different teacher."""
+    reads it, and digests of its tokenizer file and of its weight files. Another directory holding
+    the same files is the same target. The weights' digest covers each file's name, size, first MiB
+    (the safetensors header and the first tensors) and 64 blocks spread over the rest: a fine-tune
+    has its base's shapes and config but changes weights everywhere, and heads resumed on the other
+    would silently learn a different teacher, while hashing every byte would read a 70B target once
+    more, minutes of the training budget."""
     weights = hashlib.sha256()
     for path in checkpoint_files(Path(model_dir)):
+        size = path.stat().st_size
+        weights.update(f"{path.name}:{size}".encode())
         with path.open("rb") as f:
-            while block := f.read(1 << 24):
-                weights.update(block)
+            weights.update(f.read(1 << 20))
+            for i in range(64):
+                f.seek((1 << 20) + (size - (1 << 20)) * i // 64 if size > 1 << 20 else size)
+                weights.update(f.read(1 << 16))
+    file = Path(model_dir) / "tokenizer.json"  # its bytes: to_str() may change with the tokenizers library
+    text = file.read_bytes() if file.is_file() else tokenizer.to_str().encode()
     return {"model": str(Path(model_dir).resolve()), "config": asdict(cfg),
-            "tokenizer_sha256": hashlib.sha256(tokenizer.to_str().encode()).hexdigest(),
-            "weights_sha256": weights.hexdigest()}  # fmt: skip
+            "tokenizer_sha256": hashlib.sha256(text).hexdigest(), "weights_sha256": weights.hexdigest()}  # fmt: skip
 
 
 def target_differences(saved: dict, current: dict) -> list[str]:
