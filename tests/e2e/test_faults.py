@@ -38,19 +38,19 @@ class Streams:
     ("hang",) when nothing came for 60 s; ``times[i]`` when it ended. (A gRPC stream carries an
     error's message only, not its status code: HTTP /generate maps the codes.)"""
 
-    def __init__(self, url: str, n: int = STREAMS, max_tokens: int = LONG):
+    def __init__(self, url: str, n: int = STREAMS, max_tokens: int = LONG, **inputs):
         self.results: dict[int, tuple] = {}
         self.times: dict[int, float] = {}
         self.started = [threading.Event() for _ in range(n)]  # first token, or the end
         self.clients = [grpcclient.InferenceServerClient(url) for _ in range(n)]
-        self.threads = [threading.Thread(target=self._one, args=(i, max_tokens), daemon=True) for i in range(n)]
+        self.threads = [threading.Thread(target=self._one, args=(i, max_tokens, inputs), daemon=True) for i in range(n)]
         for t in self.threads:
             t.start()
 
-    def _one(self, i: int, max_tokens: int) -> None:
+    def _one(self, i: int, max_tokens: int, extra: dict) -> None:
         client, q = self.clients[i], queue.Queue()
         client.start_stream(callback=lambda result, error: q.put((result, error)))
-        inputs = grpc_inputs(text_input="def f(x):", max_tokens=max_tokens, stream=True, ignore_eos=True)
+        inputs = grpc_inputs(text_input="def f(x):", max_tokens=max_tokens, stream=True, ignore_eos=True, **extra)
         client.async_stream_infer("lightspec", inputs, enable_empty_final_response=True)
         tokens = 0
         try:
@@ -340,9 +340,11 @@ def test_sigterm_drains_then_cancels_and_exits_0(smoke_model, tmp_path):
     proc, url, banner = serve(smoke_model, tmp_path, grace=2.0)
     try:
         short = Streams(url, n=4, max_tokens=16)
-        # six streams of 1000 tokens share the engine (and fit its 8192 KV slots together): about
-        # 6000 tokens, seconds past the grace period on any machine that serves the smoke model
-        long = Streams(url, n=6, max_tokens=1000)
+        # six streams of 1000 tokens share the engine (and fit its 8192 KV slots together): 1000
+        # steps, seconds past the grace period on any machine that serves the smoke model. Without
+        # speculation: with it their pace follows the smoke heads' acceptance (3 tokens a step
+        # finished them inside the grace period)
+        long = Streams(url, n=6, max_tokens=1000, num_draft_tokens=0)
         long.wait_started()
         t_term = time.monotonic()
         proc.send_signal(signal.SIGTERM)
