@@ -140,10 +140,7 @@ def target_rows(f: InFlight, res: ModelResult, eos: frozenset[int] = frozenset()
     ``nonfinite_error``). The stage says it of every row (``ModelResult.finite``, the greedy rows'
     only word, as they come back as top-1 ids); of the logits rows, so do the maxima the softmax
     takes anyway (``probs_and_max``)."""
-    usable = [len(rows) for rows in f.rows]
-    finite = np.asarray(res.finite, np.bool_)
-    if finite.size and not finite.all():
-        usable = [u if finite[rows].all() else int(finite[rows].argmin()) for u, rows in zip(usable, f.rows)]
+    usable = _cut_at_first_false([len(rows) for rows in f.rows], np.asarray(res.finite, np.bool_), f.rows)
     logits = res.logits
     if not len(logits):
         return TargetRows(None, usable)
@@ -154,10 +151,17 @@ def target_rows(f: InFlight, res: ModelResult, eos: frozenset[int] = frozenset()
         torch.tensor([p.top_k for p in params], dtype=torch.int64),
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
     )
-    finite = np.isfinite(row_max.numpy())  # numpy: torch dispatches slower than a few values take
-    if not finite.all():  # per request: its first row without a distribution (argmin: the first False)
-        usable = [u if finite[lr].all() else min(u, int(finite[lr].argmin())) for u, lr in zip(usable, f.logit_rows)]
+    # numpy: torch dispatches slower than a few values take
+    usable = _cut_at_first_false(usable, np.isfinite(row_max.numpy()), f.logit_rows)
     return TargetRows(probs.numpy(), usable)
+
+
+def _cut_at_first_false(usable: list[int], ok: np.ndarray, row_sets: list[list[int]]) -> list[int]:
+    """Each request's ``usable`` rows, cut at its first row (of ``row_sets``, its rows in ``ok``)
+    that ``ok`` marks false (argmin: the first False). An empty ``ok`` marks nothing."""
+    if not ok.size or ok.all():
+        return usable
+    return [u if ok[r].all() else min(u, int(ok[r].argmin())) for u, r in zip(usable, row_sets)]
 
 
 def nonfinite_error(position: int) -> str:
