@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -650,3 +652,24 @@ def test_a_draft_chain_that_cannot_be_run_is_refused_before_anything_is_written(
     with pytest.raises(ValueError, match=message):
         runner.execute(call)
     assert torch.equal(runner.kv, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
+                         ids=["native-float32", "torch-bfloat16", "torch-float64"])
+def test_top1_and_finiteness_agree_on_the_native_and_the_torch_paths(dtype):
+    """The top-1 ids and the finiteness flag come from the native kernel and numpy for float32 on a
+    CPU, and from torch's max for any other dtype or device (a GPU's path, one copy to the host):
+    a NaN or +inf anywhere in a row, or no finite logit, makes it not finite; -inf beside a finite
+    logit (a vocabulary mask) does not."""
+    from lightspec_core.stages.target import _top1_finite
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    logits[1, 17] = math.nan
+    logits[2, 250] = math.inf
+    logits[3] = -math.inf
+    logits[4, :299] = -math.inf  # masked: one finite logit, the last
+    logits[5, 40] = logits[5].max() + 1  # a clear winner in an ordinary row
+    ids, finite = _top1_finite(logits.to(dtype))
+    assert ids.dtype == np.int64 and finite.dtype == np.bool_
+    assert finite.tolist() == [True, False, False, False, True, True]
+    assert ids[[0, 4, 5]].tolist() == [int(logits[0].to(dtype).float().argmax()), 299, 40]
