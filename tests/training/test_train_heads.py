@@ -305,3 +305,24 @@ def test_a_checkpoint_that_records_no_target_resumes_on_a_target_its_heads_fit_a
     state = load_checkpoint(tmp_path / "out")
     assert state["format"] == 2 and state["progress"]["step"] == 5
     assert state["target"]["model"] == str((smoke_model / "target").resolve())
+
+
+def test_a_checkpoint_whose_continuations_lack_the_bos_generates_them_again(bos_model, text_dir, tmp_path,
+                                                                            monkeypatch):  # fmt: skip
+    """Format-1 checkpoints saved continuations that started anywhere; resumed for a tokenizer with
+    a BOS, they would mix with the BOS-led text windows: they are generated again, and the run says so."""
+    assert train_on(bos_model, text_dir, tmp_path / "out", "--steps", "2") == 0
+    state = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    for key in ("generated", "heldout_windows"):
+        assert state[key][:, 0].eq(1).all()
+        state[key] = state[key].roll(-1, dims=1)  # the same length, no BOS in front
+    state.pop("target")
+    torch.save({**state, "format": 1}, tmp_path / "out" / "checkpoint.pt")
+    said = []
+    monkeypatch.setattr(run, "say", lambda args, msg: said.append(msg))  # the runs here are --quiet
+    assert train_on(bos_model, text_dir, tmp_path / "out", "--steps", "3", "--resume") == 0
+    assert any("do not start with the tokenizer's [1] (an earlier format): generating them again" in m for m in said)
+    resumed = load_checkpoint(tmp_path / "out")
+    assert resumed["progress"]["step"] == 3
+    for key in ("generated", "heldout_windows"):
+        assert resumed[key].shape == state[key].shape and resumed[key][:, 0].eq(1).all(), key
