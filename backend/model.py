@@ -203,8 +203,8 @@ class _StageModelAdapter:
 
 def _stage(args: dict, config) -> _StageModelAdapter:
     import torch
-    from lightspec_backend.params import available_cpus, stage_threads
-    from lightspec_backend.stage import StageModel
+    from lightspec_backend.params import available_cpus
+    from lightspec_backend.stage import StageModel, stage_threads
 
     from lightspec_core.config import resolve_dirs
     from lightspec_core.engine.build import check_draft_context, with_draft_tokens

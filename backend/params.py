@@ -122,33 +122,6 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-@dataclass(frozen=True)
-class StageThreads:
-    """Torch intra-op threads of a stage model's process, per call: ``small`` for calls of fewer than
-    ``large_call_tokens`` tokens, ``large`` for the others."""
-
-    small: int
-    large: int
-    large_call_tokens: int = 64
-
-    def for_call(self, num_tokens: int) -> int:
-        return self.large if num_tokens >= self.large_call_tokens else self.small
-
-
-def stage_threads(configured: int, cpus: int) -> StageThreads:
-    """``num_threads`` when set, for every call. Otherwise a small call (a few requests' tokens) gets
-    one thread per CPU but one, leaving a core to the orchestrator's process (engine loop, local MTP
-    heads, responses), and a large call one per CPU.
-
-    A small call has little to split, and a second OpenMP worker, which spins for milliseconds after
-    each parallel region, holds the core the orchestrator needs next: one thread makes a lone
-    request's steps faster. A verification call of 64 requests x 5 tokens is compute, and two
-    threads make it faster (docs/benchmarks.md)."""
-    if configured > 0:
-        return StageThreads(configured, configured)
-    return StageThreads(max(1, cpus - 1), cpus)
-
-
 def flatten_parameters(model_config: dict) -> dict[str, str]:
     """Triton's ``{"key": {"string_value": "v"}}`` -> ``{"key": "v"}``."""
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import traceback
-from dataclasses import MISSING, asdict, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import numpy as np
 
@@ -20,7 +20,35 @@ from lightspec_core.spec.cost import VerifyCost
 from lightspec_core.stages.contract import ModelCall, ModelResult, MTPCall, MTPResult, from_tensors, to_tensors
 from lightspec_core.stages.executor import LocalExecutor
 
-from .params import Role, StageThreads
+from .params import Role
+
+
+@dataclass(frozen=True)
+class StageThreads:
+    """Torch intra-op threads of a stage model's process, per call: ``small`` for calls of fewer than
+    ``large_call_tokens`` tokens, ``large`` for the others."""
+
+    small: int
+    large: int
+    large_call_tokens: int = 64
+
+    def for_call(self, num_tokens: int) -> int:
+        return self.large if num_tokens >= self.large_call_tokens else self.small
+
+
+def stage_threads(configured: int, cpus: int) -> StageThreads:
+    """``num_threads`` when set, for every call. Otherwise a small call (a few requests' tokens) gets
+    one thread per CPU but one, leaving a core to the orchestrator's process (engine loop, local MTP
+    heads, responses), and a large call one per CPU.
+
+    A small call has little to split, and a second OpenMP worker, which spins for milliseconds after
+    each parallel region, holds the core the orchestrator needs next: one thread makes a lone
+    request's steps faster. A verification call of 64 requests x 5 tokens is compute, and two
+    threads make it faster (docs/benchmarks.md)."""
+    if configured > 0:
+        return StageThreads(configured, configured)
+    return StageThreads(max(1, cpus - 1), cpus)
+
 
 CALL_TYPES = {Role.TARGET: ModelCall, Role.DRAFT: ModelCall, Role.MTP: MTPCall}
 RESULT_TYPES = {Role.TARGET: ModelResult, Role.DRAFT: ModelResult, Role.MTP: MTPResult}
@@ -34,7 +62,7 @@ def call_tokens(call) -> int:
 class StageModel:
     def __init__(self, role: Role, runner, pb_utils, threads: StageThreads | None = None, set_threads=None):
         """``threads``/``set_threads`` (e.g. ``torch.set_num_threads``): pick the intra-op thread count
-        per call by its size (see :func:`~lightspec_backend.params.stage_threads`); without them the
+        per call by its size (see :func:`stage_threads`); without them the
         process keeps whatever it has."""
         self.call_cls = CALL_TYPES[role]
         self.role = role

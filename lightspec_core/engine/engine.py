@@ -155,7 +155,7 @@ class LLMEngine:
             on_launched()
         if self._inflight:
             deltas += self._complete(self._inflight.popleft())
-        self._update_gauges()
+        self.stats.update_gauges(self.scheduler, self.blocks, len(self._inflight), self.cost if self._plans_with_cost else None)
         return deltas
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
@@ -308,7 +308,10 @@ class LLMEngine:
         return d
 
     def _append(self, seq: Sequence, tokens: list[int], error: str | None = None) -> RequestDelta | None:
-        self._observe_token_times(seq, len(tokens))
+        now = time.perf_counter()
+        self.stats.observe_tokens(seq, now)
+        seq.t_first_token = now if seq.t_first_token is None else seq.t_first_token
+        seq.t_last_token = now
         sp = seq.params
         eos = self._eos
         for t in tokens:
@@ -327,18 +330,6 @@ class LLMEngine:
             return self._finish(seq, "error", error)
         return take_delta(seq, interval=max(self.config.stream_interval, sp.stream_interval or 1))
 
-    def _observe_token_times(self, seq: Sequence, n: int) -> None:
-        now = time.perf_counter()
-        if seq.t_first_token is None:
-            seq.t_first_token = now
-            self.stats.observe("time_to_first_token_seconds", now - seq.t_arrival)
-            # at its first token, as vLLM counts it: a request cancelled in the queue computed no prompt
-            self.stats.counters["prompt_tokens_total"] += seq.prompt_len
-        elif seq.t_last_token is not None:
-            # per step, as vLLM counts it: the tokens of one step (accepted drafts) arrive together
-            self.stats.observe("inter_token_latency_seconds", now - seq.t_last_token)
-        seq.t_last_token = now
-
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True) -> RequestDelta | None:
         if seq.status is Status.FINISHED:
             return None
@@ -348,21 +339,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         self.seqs.pop(seq.request_id, None)
-        self._observe_finished(seq, reason)
+        self.stats.observe_finished(seq, reason, time.perf_counter())
         return take_delta(seq, finished=True)
-
-    def _observe_finished(self, seq: Sequence, reason: str) -> None:
-        """A finished request's times and sizes, as vLLM's request-level histograms define them."""
-        now, stats = time.perf_counter(), self.stats
-        stats.count_finished(reason)
-        stats.observe("e2e_request_latency_seconds", now - seq.t_arrival)
-        scheduled = seq.t_scheduled if seq.t_scheduled is not None else now
-        first = seq.t_first_token if seq.t_first_token is not None else now
-        stats.observe("request_queue_time_seconds", scheduled - seq.t_arrival)
-        stats.observe("request_prefill_time_seconds", max(0.0, first - scheduled))
-        stats.observe("request_decode_time_seconds", max(0.0, (seq.t_last_token or first) - first))
-        stats.observe("request_prompt_tokens", seq.prompt_len)
-        stats.observe("request_generation_tokens", seq.num_output)
 
     def _process_aborts(self) -> list[RequestDelta]:
         deltas = []
@@ -381,19 +359,3 @@ class LLMEngine:
 
     def _finish_aborted(self, seq: Sequence) -> RequestDelta | None:
         return self._finish(seq, "error", seq.abort_error) if seq.abort_error else self._finish(seq, "cancelled")
-
-    def _update_gauges(self) -> None:
-        g = self.stats.gauges
-        g["num_requests_running"] = len(self.scheduler.running)
-        g["num_requests_waiting"] = len(self.scheduler.waiting)
-        g["kv_cache_usage_ratio"] = self.blocks.usage()  # exported as vllm:kv_cache_usage_perc (a fraction)
-        g["kv_cache_fragmentation_ratio"] = self.blocks.fragmentation()
-        g["stage_inflight_calls"] = len(self._inflight)
-        self.stats.counters["num_preemptions_total"] = self.scheduler.num_preemptions
-        self.stats.counters["prefix_cache_queries_total"] = self.scheduler.prefix_queries
-        self.stats.counters["prefix_cache_hits_total"] = self.scheduler.prefix_hits
-        if self._plans_with_cost:  # what the dynamic policy believes a step costs, at today's batch
-            cost = self.cost
-            g["policy_draft_cost_seconds"] = cost.per_slot(max(len(self.scheduler.running), 1))
-            g["policy_step_excess_seconds"] = cost.verify_extra
-            g["policy_step_overhead_seconds"] = cost.overhead

@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..spec.cost import CostModel
+    from .block_manager import BlockManager
+    from .scheduler import Scheduler
+    from .sequence import Sequence
 
 # How a request ended -> the ``finished_reason`` it is counted under (vLLM's FinishReason names).
 FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
@@ -77,6 +84,44 @@ class RuntimeStats:
             self.observe("scheduler_decision_cpu_seconds", cpu_seconds)
         for k in ks:
             self.observe("draft_tokens_per_step", k)
+
+    def observe_tokens(self, seq: Sequence, now: float) -> None:
+        """A step gave ``seq`` tokens at ``now`` (before the engine stamps it with that time)."""
+        if seq.t_first_token is None:
+            self.observe("time_to_first_token_seconds", now - seq.t_arrival)
+            # at its first token, as vLLM counts it: a request cancelled in the queue computed no prompt
+            self.counters["prompt_tokens_total"] += seq.prompt_len
+        elif seq.t_last_token is not None:
+            # per step, as vLLM counts it: the tokens of one step (accepted drafts) arrive together
+            self.observe("inter_token_latency_seconds", now - seq.t_last_token)
+
+    def observe_finished(self, seq: Sequence, reason: str, now: float) -> None:
+        """A finished request's times and sizes, as vLLM's request-level histograms define them."""
+        self.count_finished(reason)
+        self.observe("e2e_request_latency_seconds", now - seq.t_arrival)
+        scheduled = seq.t_scheduled if seq.t_scheduled is not None else now
+        first = seq.t_first_token if seq.t_first_token is not None else now
+        self.observe("request_queue_time_seconds", scheduled - seq.t_arrival)
+        self.observe("request_prefill_time_seconds", max(0.0, first - scheduled))
+        self.observe("request_decode_time_seconds", max(0.0, (seq.t_last_token or first) - first))
+        self.observe("request_prompt_tokens", seq.prompt_len)
+        self.observe("request_generation_tokens", seq.num_output)
+
+    def update_gauges(self, scheduler: Scheduler, blocks: BlockManager, inflight: int, cost: CostModel | None) -> None:
+        """The gauges after a step; ``cost``: the dynamic policy's model (None for a static policy)."""
+        g, c = self.gauges, self.counters
+        g["num_requests_running"] = len(scheduler.running)
+        g["num_requests_waiting"] = len(scheduler.waiting)
+        g["kv_cache_usage_ratio"] = blocks.usage()  # exported as vllm:kv_cache_usage_perc (a fraction)
+        g["kv_cache_fragmentation_ratio"] = blocks.fragmentation()
+        g["stage_inflight_calls"] = inflight
+        c["num_preemptions_total"] = scheduler.num_preemptions
+        c["prefix_cache_queries_total"] = scheduler.prefix_queries
+        c["prefix_cache_hits_total"] = scheduler.prefix_hits
+        if cost is not None:  # what the dynamic policy believes a step costs, at today's batch
+            g["policy_draft_cost_seconds"] = cost.per_slot(max(len(scheduler.running), 1))
+            g["policy_step_excess_seconds"] = cost.verify_extra
+            g["policy_step_overhead_seconds"] = cost.overhead
 
     def mean_acceptance_length(self) -> float:
         """1 + accepted / request-steps with drafts (vLLM's definition, counting the bonus token)."""

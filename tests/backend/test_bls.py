@@ -119,7 +119,7 @@ def test_stage_failure_finishes_requests_with_error(smoke_model):
 def test_stage_model_sets_torch_threads_by_call_size(smoke_model):
     """Small calls run on the small thread count, large ones on the large; the count is only set when
     it changes (``torch.set_num_threads`` is not free)."""
-    from lightspec_backend.params import StageThreads
+    from lightspec_backend.stage import StageThreads
 
     target, _, _ = resolve_dirs(config(smoke_model, "none"))
     pb = FakePbUtils()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import json_format, text_format
-from lightspec_backend.params import Role, available_cpus, parse_backend_config, read_config_parameters, stage_threads
+from lightspec_backend.params import Role, available_cpus, parse_backend_config, read_config_parameters
 from lightspec_backend.repository import (
     STAGE_TENSORS,
     check_stage_tensors,
@@ -17,6 +17,7 @@ from lightspec_backend.repository import (
     render_stage,
     write_model_repository,
 )
+from lightspec_backend.stage import stage_threads
 from lightspec_backend.tensors import INPUTS, OUTPUTS
 from tritonclient.grpc import model_config_pb2
 
