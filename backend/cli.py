@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from .generate import generate
-from .install import BACKEND_NAME, PACKAGE_DIR, default_cache_dir
+from .install import PACKAGE_DIR, default_cache_dir
 from .launcher import TritonServer
 from .openai_api.command import add_parsers as add_openai_parsers
 
@@ -117,36 +117,6 @@ def _named_for_serve(message: str, repo: Path) -> str:
     return message.replace(str(repo), "the generated repository")
 
 
-def validate_repository(repo: Path) -> list[str]:
-    """Check every LightSpec model in ``repo`` as the backend does when Triton loads it: parameters,
-    checkpoints, and the orchestrator's stage models. Raise ``ValueError`` naming the file, the
-    parameter and the value; return notes about stage models that could not be checked.
-
-    Every model's parameters are parsed before any checkpoint is looked at, so a bad value fails
-    before anything heavier than the parser is imported."""
-    from .params import Role, check_checkpoints, check_stage_configs, parse_backend_config, read_config_parameters
-    from .repository import backend_of
-
-    if not repo.is_dir():
-        raise ValueError(f"--model-repository {str(repo)!r}: not a directory")
-    configs = {}
-    for path in sorted(repo.glob("*/config.pbtxt")):
-        if backend_of(path) == BACKEND_NAME:
-            try:
-                configs[path] = parse_backend_config(read_config_parameters(path), base_dir=repo)
-            except ValueError as e:
-                raise ValueError(f"{path}: {e}") from None
-    notes = []
-    for path, config in configs.items():
-        try:
-            check_checkpoints(config)
-            if config.role is Role.ORCHESTRATOR:
-                notes += check_stage_configs(config, repo)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-    return notes
-
-
 def _port(args, name: str) -> int | None:
     port = getattr(args, f"{name}_port")
     port = DEFAULT_PORTS[name] if port is None else port
@@ -154,7 +124,8 @@ def _port(args, name: str) -> int | None:
 
 
 def _server(args, repo: Path) -> TritonServer:
-    from .repository import server_args  # here, as in validate_repository: the parser stays light
+    from .repository import server_args  # here: the parser stays light
+
     return TritonServer(
         repo,
         http_port=_port(args, "http"),
@@ -233,6 +204,8 @@ def serve(args) -> int:
 
 
 def _serve_repository(args, repo: Path) -> int:
+    from .repository import validate_repository
+
     try:
         for note in validate_repository(repo):
             print(_named_for_serve(note, repo), flush=True)
@@ -296,7 +269,7 @@ def bench(args) -> int:
 
 def repository(args) -> int:
     """Write the model repository ``serve --model-dir`` would generate, validated the same way."""
-    from .repository import write_model_repository
+    from .repository import validate_repository, write_model_repository
 
     try:
         overrides = _overrides(args)
@@ -312,8 +285,10 @@ def repository(args) -> int:
     for note in notes:
         print(note)
     models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
-    print(f"wrote {repo}: {', '.join(models)}; serve it with lightspec serve --model-repository {repo}, or copy "
-          "the models into a Triton repository (backend: lightspec, see docs/serving.md)")
+    print(
+        f"wrote {repo}: {', '.join(models)}; serve it with lightspec serve --model-repository {repo}, or copy "
+        "the models into a Triton repository (backend: lightspec, see docs/serving.md)"
+    )
     return 0
 
 

@@ -179,8 +179,7 @@ class MetricsReporter:
         self._last_totals: dict[tuple, float] = {}
         self._bins: dict[tuple, _Bins] = {}
 
-    def _metric(self, name: str, kind: str, extra: dict[str, str] | None = None, buckets=None,
-                series: str = ""):
+    def _metric(self, name: str, kind: str, extra: dict[str, str] | None = None, buckets=None, series: str = ""):
         """``series``: ``_bucket``/``_sum``/``_count``, a binned histogram's counter of that name."""
         labels = {**self.labels, **(extra or {})}
         key = (name + series, tuple(sorted(labels.items())))

@@ -98,17 +98,24 @@ def _orchestrator(args: dict, model_config: dict, config, repository: Path) -> _
     if config.metrics:
         try:
             # vLLM's labels, so that dashboards written for vLLM select LightSpec's metrics unchanged
-            reporter = MetricsReporter(pb_utils, {"model_name": args["model_name"], "engine": "0"},
-                                       max_model_len=engine.max_model_len)
+            reporter = MetricsReporter(
+                pb_utils, {"model_name": args["model_name"], "engine": "0"}, max_model_len=engine.max_model_len
+            )
             reporter.publish(engine.stats.snapshot(), [])  # fails here if the server has metrics off
         except pb_utils.TritonModelException as e:
             pb_utils.Logger.log_warn(f"[lightspec] custom metrics unavailable ({e}); continuing without them")
             reporter = None
     gc.collect()
     gc.freeze()  # what the model loaded (modules, tokenizer, engine): never scanned by a collection again
-    orchestrator = Orchestrator(engine, pb_utils, reporter, control=control, restarts=restarts_from_env(),
-                                response_threads=config.response_threads,
-                                forwarded_headers=config.header_forward_pattern)
+    orchestrator = Orchestrator(
+        engine,
+        pb_utils,
+        reporter,
+        control=control,
+        restarts=restarts_from_env(),
+        response_threads=config.response_threads,
+        forwarded_headers=config.header_forward_pattern,
+    )
     return _OrchestratorModel(orchestrator, engine, reporter)
 
 
@@ -230,15 +237,17 @@ def _stage(args: dict, config) -> _StageModelAdapter:
     # holds the weights and the pool, checks that they fit
     model = LlamaConfig.from_dir(target)
     # max_draft_tokens as the engine resolves it: the profile taken here is then the one it asks for
-    cfg = with_kv_budget(with_draft_tokens(cfg), model, target, allow_fraction=False,
-                         check_fit=config.role is Role.TARGET)
+    cfg = with_kv_budget(
+        with_draft_tokens(cfg), model, target, allow_fraction=False, check_fit=config.role is Role.TARGET
+    )
     ctx = cfg.context_length(model.max_position_embeddings)  # served: the model must compute it exactly
     if config.role is Role.MTP:
         runner = MTPRunner(target, mtp, device, max_context=ctx)
     elif config.role is Role.TARGET:
         heads = MTPRunner(target, mtp, device, max_context=ctx) if config.loads_heads else None  # fused drafts
-        runner = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, device, heads=heads, dtype=cfg.dtype,
-                             max_context=ctx)
+        runner = ModelRunner(
+            target, cfg.num_kv_blocks, cfg.block_size, device, heads=heads, dtype=cfg.dtype, max_context=ctx
+        )
     else:
         check_draft_context(draft, ctx)  # refused here, naming draft_dir, not at its first long request
         runner = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, device, dtype=cfg.dtype, max_context=ctx)

@@ -106,8 +106,9 @@ class Orchestrator:
 
         entry = Entry(RequestState(rid, None, wanted=requested_outputs(request)), sender, request, shard=n)
         try:
-            parsed = parse_request(get, self.max_model_len, self.vocab_size, request_parameters(request),
-                                   self.forwarded_headers)
+            parsed = parse_request(
+                get, self.max_model_len, self.vocab_size, request_parameters(request), self.forwarded_headers
+            )
         except ValueError as e:
             self.engine.stats.count_rejected()
             self._register(entry)
@@ -177,8 +178,9 @@ class Orchestrator:
             return
         req = entry.state.request
         try:
-            self.engine.add_request(entry.id, req.prompt, req.params, add_special_tokens=req.add_special_tokens,
-                                    arrived_at=entry.arrived_at)
+            self.engine.add_request(
+                entry.id, req.prompt, req.params, add_special_tokens=req.add_special_tokens, arrived_at=entry.arrived_at
+            )
         except ValueError as e:  # prompt too long, max_tokens beyond the context, ... (the engine counts it)
             self._post((entry, ErrorReply("INVALID_ARG", name_prompt_error(req, e))))
             return

@@ -172,6 +172,37 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
         role = Role(role_value)
     except ValueError:
         raise _bad("role", role_value, f"expected one of {', '.join(r.value for r in Role)}") from None
+    engine = _engine_config(params, base_dir)
+    metrics = parse_bool("metrics", params.get("metrics", "") or "on")
+    stage_models = {
+        stage: params.get(param, "").strip() or default for stage, (param, default) in STAGE_MODEL_PARAMS.items()
+    }
+    if engine.mtp not in (LOCAL, FUSED):
+        stage_models["mtp"] = engine.mtp
+    front_target = params.get(FRONT_TARGET_PARAM[0], "").strip() or FRONT_TARGET_PARAM[1]
+    stage_timeout_s = _stage_timeout(params)
+    stages = _stages(params)
+    response_threads = _positive_int(params, "response_threads", BackendConfig.response_threads, 64)
+    if stages in STAGES_IN_ORCHESTRATOR and not params.get("decode_threads", "").strip():
+        engine = dataclasses.replace(
+            engine, decode_threads=serving_decode_threads(engine.num_threads, available_cpus())
+        )
+    data_parallel = _data_parallel_size(params, stages)
+    shards = BackendConfig(
+        role, engine, metrics, stage_models, stages=stages, data_parallel_size=data_parallel
+    ).engine_processes()
+    if stages in STAGES_IN_ORCHESTRATOR and shards == 1 and not params.get("decode_nice", "").strip():
+        # the lone decoding thread ahead of the frontend's processes (stages.executor.LoneDecodePriority);
+        # not with several engines, whose threads together would hold every core ahead of them
+        engine = dataclasses.replace(engine, decode_nice=SERVING_DECODE_NICE)
+    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
+                         orchestrator_model=front_target, stage_timeout_s=stage_timeout_s,
+                         stages=stages, response_threads=response_threads, data_parallel_size=data_parallel,
+                         header_forward_pattern=_pattern(params, "header_forward_pattern"))  # fmt: skip
+
+
+def _engine_config(params: dict[str, str], base_dir: str | Path | None) -> EngineConfig:
+    """The engine's fields among ``params``, checkpoint paths resolved against ``base_dir``."""
     kwargs = {}
     for f in dataclasses.fields(EngineConfig):
         raw = params.get(f.name, "").strip()
@@ -184,13 +215,16 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
     except ValueError as e:  # EngineConfig names the field: "speculation='x': expected ..."
         raise ValueError(f"parameter {e}") from None
     if engine.kv_cache_memory and parse_memory(engine.kv_cache_memory)[1] is not None:
-        raise _bad("kv_cache_memory", engine.kv_cache_memory, "a fraction of free memory would differ in each of "
-                   "the server's processes; give bytes (e.g. 2GiB) so that every stage sizes the same pool")
-    metrics = parse_bool("metrics", params.get("metrics", "") or "on")
-    stage_models = {stage: params.get(param, "").strip() or default for stage, (param, default) in STAGE_MODEL_PARAMS.items()}
-    if engine.mtp not in (LOCAL, FUSED):
-        stage_models["mtp"] = engine.mtp
-    front_target = params.get(FRONT_TARGET_PARAM[0], "").strip() or FRONT_TARGET_PARAM[1]
+        raise _bad(
+            "kv_cache_memory",
+            engine.kv_cache_memory,
+            "a fraction of free memory would differ in each of "
+            "the server's processes; give bytes (e.g. 2GiB) so that every stage sizes the same pool",
+        )
+    return engine
+
+
+def _stage_timeout(params: dict[str, str]) -> float:
     timeout = params.get("stage_timeout_s", "").strip() or "30"
     try:
         stage_timeout_s = float(timeout)
@@ -198,21 +232,7 @@ def parse_backend_config(params: dict[str, str], base_dir: str | Path | None = N
         stage_timeout_s = -1.0
     if not 0 < stage_timeout_s < 1e6:
         raise _bad("stage_timeout_s", timeout, "expected a positive number of seconds")
-    stages = _stages(params)
-    response_threads = _positive_int(params, "response_threads", BackendConfig.response_threads, 64)
-    if stages in STAGES_IN_ORCHESTRATOR and not params.get("decode_threads", "").strip():
-        engine = dataclasses.replace(engine, decode_threads=serving_decode_threads(engine.num_threads, available_cpus()))
-    data_parallel = _data_parallel_size(params, stages)
-    shards = BackendConfig(role, engine, metrics, stage_models, stages=stages,
-                           data_parallel_size=data_parallel).engine_processes()
-    if stages in STAGES_IN_ORCHESTRATOR and shards == 1 and not params.get("decode_nice", "").strip():
-        # the lone decoding thread ahead of the frontend's processes (stages.executor.LoneDecodePriority);
-        # not with several engines, whose threads together would hold every core ahead of them
-        engine = dataclasses.replace(engine, decode_nice=SERVING_DECODE_NICE)
-    return BackendConfig(role=role, engine=engine, metrics=metrics, stage_models=stage_models,
-                         orchestrator_model=front_target, stage_timeout_s=stage_timeout_s,
-                         stages=stages, response_threads=response_threads, data_parallel_size=data_parallel,
-                         header_forward_pattern=_pattern(params, "header_forward_pattern"))  # fmt: skip
+    return stage_timeout_s
 
 
 SERVING_DECODE_NICE = -10
@@ -265,8 +285,12 @@ def _data_parallel_size(params: dict[str, str], stages: str) -> int:
 def _stages(params: dict[str, str]) -> str:
     value = params.get(STAGES_PARAM, "").strip() or STAGES_PROCESS
     if value not in (STAGES_TRITON, *STAGES_IN_ORCHESTRATOR):
-        raise _bad(STAGES_PARAM, value, f"expected {STAGES_TRITON} (stage models over BLS), {STAGES_LOCAL} "
-                   f"(in the orchestrator's process) or {STAGES_PROCESS} (in a child process of it)")
+        raise _bad(
+            STAGES_PARAM,
+            value,
+            f"expected {STAGES_TRITON} (stage models over BLS), {STAGES_LOCAL} "
+            f"(in the orchestrator's process) or {STAGES_PROCESS} (in a child process of it)",
+        )
     return value
 
 
@@ -278,8 +302,10 @@ def check_checkpoints(config: BackendConfig) -> None:
     role = config.role
     needed = {
         Role.ORCHESTRATOR: [("model_dir", target, "config.json")],
-        Role.TARGET: [("model_dir", target, "config.json"),
-                      *([("mtp_dir", mtp, "mtp_config.json")] if config.loads_heads else [])],
+        Role.TARGET: [
+            ("model_dir", target, "config.json"),
+            *([("mtp_dir", mtp, "mtp_config.json")] if config.loads_heads else []),
+        ],
         Role.MTP: [("model_dir", target, "config.json"), ("mtp_dir", mtp, "mtp_config.json")],
         Role.DRAFT: [("draft_dir", draft, "config.json")],
         Role.BATCHED: [],  # loads no model: it forwards to the orchestrator
@@ -288,9 +314,7 @@ def check_checkpoints(config: BackendConfig) -> None:
         if not (Path(path) / marker).is_file():
             value = getattr(config.engine, param) or ""
             hint = (
-                " (empty: the embedded default model; train it with python tools/train_default.py)"
-                if not value
-                else ""
+                " (empty: the embedded default model; train it with python tools/train_default.py)" if not value else ""
             )
             raise _bad(param, value, f"no checkpoint at {path}: {marker} missing{hint}")
 
@@ -344,10 +368,17 @@ def check_stage_configs(config: BackendConfig, repository: str | Path) -> list[s
             raise _bad(param, name, f"that model has role={theirs.role.value!r}, expected {stage!r}")
         fused = stage == "target" and mine.fused_mtp
         if fused and not theirs.loads_heads:
-            raise _bad("mtp", FUSED, f"stage model {name!r} does not load the MTP heads "
-                       f"(it needs speculation: mtp and mtp: {FUSED} in {path})")
-        keys = ["model_dir", *(["mtp_dir"] if stage == "mtp" or fused else []),
-                *(["draft_dir"] if stage == "draft" else [])]
+            raise _bad(
+                "mtp",
+                FUSED,
+                f"stage model {name!r} does not load the MTP heads "
+                f"(it needs speculation: mtp and mtp: {FUSED} in {path})",
+            )
+        keys = [
+            "model_dir",
+            *(["mtp_dir"] if stage == "mtp" or fused else []),
+            *(["draft_dir"] if stage == "draft" else []),
+        ]
         # what sizes and indexes the pools: with kv_cache_memory the block count follows the bytes
         # a block takes (dtype) and the rope table the context (max_model_len)
         keys += [*KV_PARAMS, "dtype", "max_model_len"] if stage != "mtp" else []
@@ -359,7 +390,11 @@ def check_stage_configs(config: BackendConfig, repository: str | Path) -> list[s
         # otherwise orchestrators of other methods share a stage (the bench's repository does)
         drafts = (mine.method is SpecMethod.DRAFT, theirs.engine.method is SpecMethod.DRAFT)
         if stage != "mtp" and mine.kv_cache_memory and drafts[0] != drafts[1]:
-            raise _bad("speculation", mine.speculation, f"differs from stage model {name!r} "
-                       f"({theirs.engine.speculation!r} in {path}), which sizes the pool from kv_cache_memory "
-                       f"{'with' if drafts[1] else 'without'} a draft model's pool")
+            raise _bad(
+                "speculation",
+                mine.speculation,
+                f"differs from stage model {name!r} "
+                f"({theirs.engine.speculation!r} in {path}), which sizes the pool from kv_cache_memory "
+                f"{'with' if drafts[1] else 'without'} a draft model's pool",
+            )
     return notes

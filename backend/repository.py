@@ -26,6 +26,9 @@ from .params import (
     STAGES_PROCESS,
     STAGES_TRITON,
     Role,
+    check_checkpoints,
+    check_stage_configs,
+    parse_backend_config,
     read_config_parameters,
 )
 from .tensors import INPUTS, OUTPUTS, TensorSpec
@@ -88,8 +91,19 @@ STAGE_IO = {
 # What a stage computes its cost profile from while it loads (``ProfileSpec.for_engine``), so that it
 # is the profile the orchestrator's engine asks for (the target stage also reads ``mtp`` and
 # ``speculation``: with ``mtp: fused`` it loads the MTP heads).
-PROFILE_PARAMS = ("speculation", "policy", "max_draft_tokens", "max_num_seqs", "max_num_batched_tokens", "mtp",
-                  "profile_stages", "max_model_len", "num_kv_blocks", "block_size", "kv_cache_memory")
+PROFILE_PARAMS = (
+    "speculation",
+    "policy",
+    "max_draft_tokens",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "mtp",
+    "profile_stages",
+    "max_model_len",
+    "num_kv_blocks",
+    "block_size",
+    "kv_cache_memory",
+)
 STAGE_PARAMS = {
     # every stage sizes the KV pool, which with ``speculation: draft`` includes the draft model's
     Role.TARGET: ("model_dir", "mtp_dir", "draft_dir", "device", "num_threads", "dtype", *PROFILE_PARAMS),
@@ -201,9 +215,11 @@ def check_stage_tensors(role: Role, model_config: dict) -> None:
         have = {t.get("name") for t in model_config.get(kind, [])}
         missing = [s.name for s in specs if s.name not in have]
         if missing:
-            raise ValueError(f"config.pbtxt: the {role.value} stage declares no {kind} {', '.join(missing)}: the "
-                             "repository was written by an older LightSpec; write it again with `lightspec "
-                             "repository` (or let `lightspec serve` write it)")
+            raise ValueError(
+                f"config.pbtxt: the {role.value} stage declares no {kind} {', '.join(missing)}: the "
+                "repository was written by an older LightSpec; write it again with `lightspec "
+                "repository` (or let `lightspec serve` write it)"
+            )
 
 
 def render_stage(role: Role, name: str, params: dict[str, str]) -> str:
@@ -302,3 +318,30 @@ def server_args(repo: str | Path) -> list[str]:
     path = Path(repo) / ORCHESTRATOR / "config.pbtxt"
     pattern = read_config_parameters(path).get("header_forward_pattern", "").strip() if path.is_file() else ""
     return [f"--grpc-header-forward-pattern={pattern}", f"--http-header-forward-pattern={pattern}"] if pattern else []
+
+
+def validate_repository(repo: Path) -> list[str]:
+    """Check every LightSpec model in ``repo`` as the backend does when Triton loads it: parameters,
+    checkpoints, and the orchestrator's stage models. Raise ``ValueError`` naming the file, the
+    parameter and the value; return notes about stage models that could not be checked.
+
+    Every model's parameters are parsed before any checkpoint is looked at, so a bad value fails
+    before anything heavier than the parser is imported."""
+    if not repo.is_dir():
+        raise ValueError(f"--model-repository {str(repo)!r}: not a directory")
+    configs = {}
+    for path in sorted(repo.glob("*/config.pbtxt")):
+        if backend_of(path) == BACKEND:
+            try:
+                configs[path] = parse_backend_config(read_config_parameters(path), base_dir=repo)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+    notes = []
+    for path, config in configs.items():
+        try:
+            check_checkpoints(config)
+            if config.role is Role.ORCHESTRATOR:
+                notes += check_stage_configs(config, repo)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return notes

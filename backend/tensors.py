@@ -45,7 +45,10 @@ INPUTS = [
     TensorSpec("text_input", "STRING", (1,), doc="prompt, UTF-8 (give this or `input_ids`)"),
     TensorSpec("input_ids", "INT64", (-1,), doc="prompt as token ids (give this or `text_input`)"),
     TensorSpec(
-        "add_special_tokens", "BOOL", (1,), doc="default true: `text_input` gets the tokenizer's BOS, as in "
+        "add_special_tokens",
+        "BOOL",
+        (1,),
+        doc="default true: `text_input` gets the tokenizer's BOS, as in "
         "transformers and vLLM; false for a rendered chat template, which holds it already",
     ),
     TensorSpec(
@@ -61,19 +64,28 @@ INPUTS = [
         "seed", "UINT64", (1,), doc="per-request sampling seed; default derived from the engine seed and the request"
     ),
     TensorSpec(
-        "stop_words", "STRING", (-1,), doc="stop strings; the text ends before the first match; empty entries are "
+        "stop_words",
+        "STRING",
+        (-1,),
+        doc="stop strings; the text ends before the first match; empty entries are "
         "skipped, as TensorRT-LLM's preprocessing skips them",
     ),
     TensorSpec(
-        "end_id", "INT32", (1,), doc="the end token id in place of the tokenizer's EOS, as in TensorRT-LLM (with ignore_eos "
+        "end_id",
+        "INT32",
+        (1,),
+        doc="the end token id in place of the tokenizer's EOS, as in TensorRT-LLM (with ignore_eos "
         "false, beside it), in [0, vocabulary size); -1: no end token (refused with ignore_eos false)",
     ),
     TensorSpec(
         "ignore_eos", "BOOL", (1,), doc="default false; true keeps generating past the tokenizer's EOS (benchmarks)"
     ),
     TensorSpec(
-        "exclude_input_in_output", "BOOL", (1,), doc="default false: non-streaming `text_output` starts with the prompt; "
-        "false with streaming is refused (`lightspec_batched` accepts it, as TensorRT-LLM: streams carry new text only)"
+        "exclude_input_in_output",
+        "BOOL",
+        (1,),
+        doc="default false: non-streaming `text_output` starts with the prompt; "
+        "false with streaming is refused (`lightspec_batched` accepts it, as TensorRT-LLM: streams carry new text only)",
     ),
     TensorSpec("priority", "INT32", (1,), doc="default 0; higher is admitted first and preempted last"),
     TensorSpec(
@@ -85,7 +97,10 @@ INPUTS = [
         "min_tokens", "INT32", (1,), doc="default 0; EOS, `end_id` and stop strings cannot end the output earlier"
     ),
     TensorSpec(
-        "stream_interval", "INT32", (1,), doc="streamed responses carry at least this many new tokens, "
+        "stream_interval",
+        "INT32",
+        (1,),
+        doc="streamed responses carry at least this many new tokens, "
         "the first and the last excepted; raises the model's `stream_interval`, never lowers it",
     ),
     # -- the vLLM backend's convention (see :mod:`.conventions`)
@@ -110,8 +125,10 @@ INPUTS = [
     TensorSpec("embedding_bias_words", "STRING", (-1,), doc="TensorRT-LLM: only empty"),
     TensorSpec("embedding_bias_weights", "FP32", (-1,), doc="TensorRT-LLM: only empty"),
     TensorSpec(
-        "return_perf_metrics", "BOOL", (1,), doc="TensorRT-LLM: default false; true adds the `kv_cache_*` and "
-        "`*_time_ns` outputs to every response",
+        "return_perf_metrics",
+        "BOOL",
+        (1,),
+        doc="TensorRT-LLM: default false; true adds the `kv_cache_*` and `*_time_ns` outputs to every response",
     ),
 ]
 

@@ -19,7 +19,15 @@ _LAZY = {
     "RequestOutput": ".engine.outputs",
 }
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestDelta", "RequestOutput", "SamplingParams", "SpecMethod", "default_model_dir"]
+__all__ = [
+    "EngineConfig",
+    "LLMEngine",
+    "RequestDelta",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecMethod",
+    "default_model_dir",
+]
 
 
 def __getattr__(name: str):

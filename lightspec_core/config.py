@@ -72,8 +72,11 @@ class SamplingParams:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             raise _bad("max_tokens", self.max_tokens, "must be a positive integer")
         if not (0.0 <= self.temperature <= FLOAT32_MAX):  # also rejects NaN
-            raise _bad("temperature", self.temperature, f"must be a finite number >= 0 and <= {FLOAT32_MAX:.7g} "
-                       "(float32's largest)")
+            raise _bad(
+                "temperature",
+                self.temperature,
+                f"must be a finite number >= 0 and <= {FLOAT32_MAX:.7g} (float32's largest)",
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.top_k <= INT32_MAX:  # the stages carry top_k as int32
@@ -107,15 +110,29 @@ def check_stop_strings(name: str, stop: list[str]) -> None:
         raise ValueError(f"{name}: a stop string of {longest} characters, at most {MAX_STOP_CHARS}")
 
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "b": 1,
+}
 
 
 def parse_memory(value: str) -> tuple[int | None, float | None]:
     """``"2GiB"``, ``"512MB"``, ``"1073741824"`` -> (bytes, None); ``"0.5"`` (in (0, 1)) -> (None, fraction)."""
     text = str(value).strip().lower().replace(" ", "")
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(num):]
+    unit = text[len(num) :]
     try:
         number = float(num)
     except ValueError:
@@ -250,8 +267,9 @@ class EngineConfig:
 
     def context_length(self, max_position_embeddings: int) -> int:
         """The longest sequence served: the model's, ``max_model_len`` and the KV pool's, whichever is least."""
-        return min(self.max_model_len or max_position_embeddings, max_position_embeddings,
-                   self.num_kv_blocks * self.block_size)
+        return min(
+            self.max_model_len or max_position_embeddings, max_position_embeddings, self.num_kv_blocks * self.block_size
+        )
 
     @property
     def fused_mtp(self) -> bool:

@@ -59,9 +59,13 @@ def test_mtp_heads_on_gpu_match_cpu(default_model):
     b, k = 16, 4
     rng = np.random.default_rng(1)
     call = MTPCall(
-        hidden=rng.standard_normal((b, 256)).astype(np.float32), last_ids=rng.integers(3, 4096, b),
-        num_tokens=np.array([k, 1, 0, 3] * 4, np.int32), temperature=np.zeros(b, np.float32),
-        top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32), uniforms=np.zeros((b, k), np.float32),
+        hidden=rng.standard_normal((b, 256)).astype(np.float32),
+        last_ids=rng.integers(3, 4096, b),
+        num_tokens=np.array([k, 1, 0, 3] * 4, np.int32),
+        temperature=np.zeros(b, np.float32),
+        top_k=np.zeros(b, np.int32),
+        top_p=np.ones(b, np.float32),
+        uniforms=np.zeros((b, k), np.float32),
         return_probs=np.array([False]),
     )
     args = (default_model / "target", default_model / "mtp")

@@ -70,8 +70,12 @@ def server(tmp_path_factory):
 
 
 def with_ports(text: str, server) -> str:
-    ports = {"http": server.http_port, "grpc": server.grpc_port, "metrics": server.metrics_port,
-             "openai": server.openai_port}
+    ports = {
+        "http": server.http_port,
+        "grpc": server.grpc_port,
+        "metrics": server.metrics_port,
+        "openai": server.openai_port,
+    }
     return PLACEHOLDER.sub(lambda m: str(ports[m.group(1)]), text)
 
 

@@ -201,9 +201,14 @@ class VllmServer:
         with open(self.log_path, "w") as log:
             # a process group of its own: the engine core child goes with it at stop(); and the
             # server is stopped with the bench if the bench is killed before it can stop it
-            self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True,
-                                            preexec_fn=die_with_parent())  # noqa: PLW1509 - see launcher
+            self.process = subprocess.Popen(
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),  # noqa: PLW1509 - see launcher
+            )
         deadline = time.monotonic() + timeout_s
         while not self._healthy():
             if self.process.poll() is not None:

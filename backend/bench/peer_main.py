@@ -52,8 +52,11 @@ def _dry_run(args, plan: BenchPlan, overrides: dict[str, str]) -> int:
     env = " ".join(f"{k}={v}" for k, v in peer_env(args.peer_cpus).items())
     print(f"vLLM environment variables: {env or '(vLLM defaults)'}")
     print("LightSpec configurations: " + " ".join(c.model_name for c in plan.configs))
-    print("levels: " + " ".join(f"{ld.label} ({plan.num_requests(ld)} requests)" for ld in plan.loads)
-          + f"; {plan.max_tokens} tokens per request")
+    print(
+        "levels: "
+        + " ".join(f"{ld.label} ({plan.num_requests(ld)} requests)" for ld in plan.loads)
+        + f"; {plan.max_tokens} tokens per request"
+    )
     items = interleaved(plan.configs, peer_configs(args.peer_configs, draft, args.max_draft_tokens))
     order = ", ".join(cfg.model_name if kind == "lightspec" else f"vllm {cfg.config}" for kind, cfg in items)
     print(f"at each level, in turn (reversed every other level): {order}")
@@ -70,9 +73,12 @@ def _report(args, argv: list[str], every: list[dict], meta: dict) -> None:
     print(format_peer_ratios(ratios))
     differ = [r for r in every if r["mismatches"]]
     compared, unchecked = sum(r["compared"] for r in every), sum(r["unchecked"] for r in every)
-    print(f"\ntoken identity: {sum(r['mismatches'] or 0 for r in every)} of {compared} requests differ from "
-          "LightSpec none" + (f" (in {', '.join(sorted({str(r['concurrency']) for r in differ}))})" if differ else "")
-          + (f"; {unchecked} not compared (no LightSpec none output for their prompt)" if unchecked else ""))
+    print(
+        f"\ntoken identity: {sum(r['mismatches'] or 0 for r in every)} of {compared} requests differ from "
+        "LightSpec none"
+        + (f" (in {', '.join(sorted({str(r['concurrency']) for r in differ}))})" if differ else "")
+        + (f"; {unchecked} not compared (no LightSpec none output for their prompt)" if unchecked else "")
+    )
     for note in run_caveats(every, rounds=rounds > 1):
         print(note)
     print(

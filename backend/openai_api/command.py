@@ -56,8 +56,10 @@ class OpenAIServer:
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the OpenAI API server did not start on {self.host}:{self.port} (port in use? "
-                                   "--openai-port 0 picks a free one, -1 turns the API off)")
+                raise RuntimeError(
+                    f"the OpenAI API server did not start on {self.host}:{self.port} (port in use? "
+                    "--openai-port 0 picks a free one, -1 turns the API off)"
+                )
             time.sleep(0.05)
         sockets = [s for srv in self.server.servers for s in srv.sockets]
         if sockets:

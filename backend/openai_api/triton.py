@@ -190,7 +190,11 @@ class Triton:
         done = asyncio.Event()
 
         async def requests():
-            yield {"model_name": model, "inputs": infer_inputs(tensors, grpcaio.InferInput), "request_id": uuid.uuid4().hex}
+            yield {
+                "model_name": model,
+                "inputs": infer_inputs(tensors, grpcaio.InferInput),
+                "request_id": uuid.uuid4().hex,
+            }
             await done.wait()  # an open write side keeps the stream up until the last response
 
         responses = self.client.stream_infer(requests())

@@ -13,9 +13,11 @@ from ..config import DEFAULT_MAX_DRAFT_TOKENS, EngineConfig, SpecMethod, resolve
 from ..models.llama import LlamaConfig
 from ..models.mtp_heads import MTPConfig
 from ..models.tokenizer import TokenizerInfo
+from ..spec.cost import CostModel
 from ..spec.draft import DraftModelProposer
 from ..spec.mtp import MTPProposer
 from ..spec.ngram import NgramProposer
+from ..spec.policy import DynamicPolicy, StaticPolicy
 from ..spec.proposer import NoProposer, Proposer
 from ..stages.executor import Executor, LocalExecutor
 from ..stages.mtp import MTPRunner
@@ -69,18 +71,22 @@ def check_same_vocabulary(target: LlamaConfig, target_tok: TokenizerInfo, draft_
     else:
         same = draft.vocab_size == target.vocab_size
     if not same:
-        raise ValueError(f"draft_dir={draft_dir!r}: the draft model's vocabulary differs from the target's "
-                         f"({draft.vocab_size} against {target.vocab_size} ids, or other tokens; with the same "
-                         "tokenizer a draft may have fewer padding rows, not more)")
+        raise ValueError(
+            f"draft_dir={draft_dir!r}: the draft model's vocabulary differs from the target's "
+            f"({draft.vocab_size} against {target.vocab_size} ids, or other tokens; with the same "
+            "tokenizer a draft may have fewer padding rows, not more)"
+        )
 
 
 def check_draft_context(draft_dir: str, max_context: int) -> None:
     """A draft model runs at every position the target serves: its positions must reach as far."""
     positions = LlamaConfig.from_dir(draft_dir).max_position_embeddings
     if positions < max_context:
-        raise ValueError(f"draft_dir={draft_dir!r}: the draft model's max_position_embeddings={positions} is "
-                         f"below the {max_context} tokens the target serves; set max_model_len to at most "
-                         f"{positions}")
+        raise ValueError(
+            f"draft_dir={draft_dir!r}: the draft model's max_position_embeddings={positions} is "
+            f"below the {max_context} tokens the target serves; set max_model_len to at most "
+            f"{positions}"
+        )
 
 
 def build_local_executor(cfg: EngineConfig, max_context: int | None = None) -> LocalExecutor:
@@ -94,13 +100,16 @@ def build_local_executor(cfg: EngineConfig, max_context: int | None = None) -> L
     if cfg.method is SpecMethod.MTP:
         runners["mtp"] = MTPRunner(target, mtp, cfg.device, max_context=ctx)
     heads = runners["mtp"] if cfg.fused_mtp else None  # stateless: shared safely
-    runners["target"] = ModelRunner(target, cfg.num_kv_blocks, cfg.block_size, cfg.device, heads=heads,
-                                    dtype=cfg.dtype, max_context=ctx)
+    runners["target"] = ModelRunner(
+        target, cfg.num_kv_blocks, cfg.block_size, cfg.device, heads=heads, dtype=cfg.dtype, max_context=ctx
+    )
     if cfg.method is SpecMethod.DRAFT:
-        runners["draft"] = ModelRunner(draft, cfg.num_kv_blocks, cfg.block_size, cfg.device, dtype=cfg.dtype,
-                                       max_context=ctx)
-    return LocalExecutor(runners, threaded=cfg.pipeline_depth > 1, decode_threads=cfg.decode_threads,
-                         decode_nice=cfg.decode_nice)
+        runners["draft"] = ModelRunner(
+            draft, cfg.num_kv_blocks, cfg.block_size, cfg.device, dtype=cfg.dtype, max_context=ctx
+        )
+    return LocalExecutor(
+        runners, threaded=cfg.pipeline_depth > 1, decode_threads=cfg.decode_threads, decode_nice=cfg.decode_nice
+    )
 
 
 def make_proposer(cfg: EngineConfig, executor: Executor, k: int) -> Proposer:
@@ -111,3 +120,10 @@ def make_proposer(cfg: EngineConfig, executor: Executor, k: int) -> Proposer:
     if cfg.method is SpecMethod.DRAFT:
         return DraftModelProposer(executor, LlamaConfig.from_dir(resolve_dirs(cfg)[2]).vocab_size)
     return NgramProposer(cfg.ngram_max, cfg.ngram_min)
+
+
+def make_policy(cfg: EngineConfig, cost: CostModel) -> DynamicPolicy | StaticPolicy:
+    """The speculation policy ``cfg.policy`` names; the dynamic one plans with ``cost``."""
+    if cfg.policy_kind == "dynamic":
+        return DynamicPolicy(cost, floors=cfg.confidence_floors)
+    return StaticPolicy(cfg.max_draft_tokens if cfg.static_k is None else cfg.static_k)

@@ -29,7 +29,7 @@ from ..spec.proposer import Proposal
 from ..spec.verify import verify_greedy, verify_rejection
 from ..stages.executor import Executor
 from .block_manager import BlockManager
-from .build import build_local_executor, check_same_vocabulary, make_proposer, with_draft_tokens
+from .build import build_local_executor, check_same_vocabulary, make_policy, make_proposer, with_draft_tokens
 from .kv_budget import with_kv_budget
 from .outputs import RequestDelta, RequestOutput
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
@@ -47,8 +47,9 @@ class LLMEngine:
     server whose stages are not reachable yet passes False and calls :meth:`profile_stages` once
     they are (otherwise the first step takes it)."""
 
-    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None, *,
-                 profile_now: bool = True):
+    def __init__(
+        self, config: EngineConfig | None = None, executor: Executor | None = None, *, profile_now: bool = True
+    ):
         self.config = cfg = config or EngineConfig()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -59,8 +60,13 @@ class LLMEngine:
         if cfg.method is SpecMethod.DRAFT:
             check_same_vocabulary(self.model_config, self.tok, draft_dir)
         # in process the pool is here; a server's stages check their own (see kv_budget)
-        self.config = cfg = with_kv_budget(with_draft_tokens(cfg), self.model_config, target_dir,
-                                           allow_fraction=executor is None, check_fit=executor is None)
+        self.config = cfg = with_kv_budget(
+            with_draft_tokens(cfg),
+            self.model_config,
+            target_dir,
+            allow_fraction=executor is None,
+            check_fit=executor is None,
+        )
         self.max_model_len = cfg.context_length(self.model_config.max_position_embeddings)
         self.model_config.check_context(self.max_model_len)  # refused here, naming the field, before any load
         self._eos = frozenset(self.model_config.eos_token_ids)
@@ -69,13 +75,18 @@ class LLMEngine:
         self.stats = RuntimeStats(max(k, 1))
         self.acceptance = AcceptanceStats(max(k, 1))
         self.cost = CostModel()
-        if cfg.policy_kind == "dynamic":
-            policy = DynamicPolicy(self.cost, floors=cfg.confidence_floors)
-        else:
-            policy = StaticPolicy(cfg.max_draft_tokens if cfg.static_k is None else cfg.static_k)
+        policy = make_policy(cfg, self.cost)
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, prefix_caching=cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, policy, self.acceptance, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   k, cfg.kv_high_water, cfg.speculative)
+        self.scheduler = Scheduler(
+            self.blocks,
+            policy,
+            self.acceptance,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            k,
+            cfg.kv_high_water,
+            cfg.speculative,
+        )
         self._plans_with_cost = isinstance(policy, DynamicPolicy)
         self.proposer = make_proposer(cfg, self.executor, min(k, policy.k) if isinstance(policy, StaticPolicy) else k)
         self.seqs: dict[str, Sequence] = {}
@@ -94,8 +105,15 @@ class LLMEngine:
         return self._profile_pending
 
     # ---- public API ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    add_special_tokens: bool = True, arrived_at: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        arrived_at: float | None = None,
+    ) -> None:
         """Queue a request. A ``ValueError`` (prompt problems name the field ``prompt``) refuses it
         and counts it as a failed request. ``add_special_tokens``: see :func:`.sequence.checked_prompt`.
         ``arrived_at``: when a server took it (``time.perf_counter()``), for its latency metrics."""
@@ -103,22 +121,25 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"request_id={request_id!r}: already in use")
         try:
-            ids = self._checked_prompt(prompt, params, add_special_tokens)
+            ids = checked_prompt(
+                self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params, add_special_tokens
+            )
             if params.max_tokens is None:  # the rest of the context, as in vLLM
                 params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         except ValueError:
             self.stats.count_rejected()
             raise
-        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tok, ids),
-                       seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()), arrival=next(self._arrivals),
-                       arrived_at=arrived_at)
+        seq = Sequence(
+            request_id,
+            ids,
+            params,
+            IncrementalDetokenizer(self.tok, ids),
+            seed=zlib.crc32(f"{self.config.seed}:{request_id}".encode()),
+            arrival=next(self._arrivals),
+            arrived_at=arrived_at,
+        )
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
-
-    def _checked_prompt(self, prompt: str | list[int], params: SamplingParams,
-                        add_special_tokens: bool = True) -> list[int]:
-        return checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params,
-                              add_special_tokens)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Cancel a request; the next ``step()`` returns its final ``cancelled`` delta. With ``error``,
@@ -155,11 +176,14 @@ class LLMEngine:
             on_launched()
         if self._inflight:
             deltas += self._complete(self._inflight.popleft())
-        self.stats.update_gauges(self.scheduler, self.blocks, len(self._inflight), self.cost if self._plans_with_cost else None)
+        self.stats.update_gauges(
+            self.scheduler, self.blocks, len(self._inflight), self.cost if self._plans_with_cost else None
+        )
         return deltas
 
-    def generate(self, prompts: list[str] | list[list[int]] | str,
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -225,8 +249,19 @@ class LLMEngine:
         t_submit = time.perf_counter()
         fut = self.executor.submit("target", packed.call)
         fut.add_done_callback(stamp_done)
-        return InFlight(plan, props, fut, packed.rows, packed.logit_rows, t_submit, len(packed.call.input_ids),
-                        packed.context, plan.prefill_tokens, num_drafts, packed.heads)
+        return InFlight(
+            plan,
+            props,
+            fut,
+            packed.rows,
+            packed.logit_rows,
+            t_submit,
+            len(packed.call.input_ids),
+            packed.context,
+            plan.prefill_tokens,
+            num_drafts,
+            packed.heads,
+        )
 
     def _observe_proposals(self, plan: StepPlan, props: list[Proposal], num_drafts: int, seconds: float) -> None:
         self.stats.counters["spec_decode_num_stopped_drafts_total"] += sum(it.k for it in plan.items) - num_drafts
@@ -277,8 +312,9 @@ class LLMEngine:
         self._stage_seconds += service
         self.stats.counters["engine_steps_total"] += 1
 
-    def _verify(self, seq: Sequence, it: ScheduledSeq, pr: Proposal, res, b: int, rows: list[int],
-                probs, usable: int) -> RequestDelta | None:
+    def _verify(
+        self, seq: Sequence, it: ScheduledSeq, pr: Proposal, res, b: int, rows: list[int], probs, usable: int
+    ) -> RequestDelta | None:
         """Verify one request's drafts, append what it gained (accepted drafts + the bonus token).
         ``usable``: its rows before the first without finite logits; where its next token would come
         from that one it ends with an error, as without drafts (a row past a rejected draft is unread)."""

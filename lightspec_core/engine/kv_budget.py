@@ -97,14 +97,17 @@ def _budget_bytes(cfg: EngineConfig, weights: int, allow_fraction: bool) -> int:
     if fraction is None:
         return budget
     if not allow_fraction:
-        raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r}: a fraction of free memory is resolved by "
-                         "lightspec serve or in process; a model repository takes bytes (e.g. 2GiB), so that every "
-                         "stage sizes the same pool")
+        raise ValueError(
+            f"kv_cache_memory={cfg.kv_cache_memory!r}: a fraction of free memory is resolved by "
+            "lightspec serve or in process; a model repository takes bytes (e.g. 2GiB), so that every "
+            "stage sizes the same pool"
+        )
     return int(fraction * max(available_memory(cfg.device) - weights, 0))
 
 
-def with_kv_budget(cfg: EngineConfig, model, model_dir: str | Path, *, allow_fraction: bool = True,
-                   check_fit: bool = True) -> EngineConfig:
+def with_kv_budget(
+    cfg: EngineConfig, model, model_dir: str | Path, *, allow_fraction: bool = True, check_fit: bool = True
+) -> EngineConfig:
     """``cfg`` with ``num_kv_blocks`` from ``kv_cache_memory`` (bytes, or a fraction of the memory
     available after the weights), sized for the target ``model`` (a ``LlamaConfig``) in
     ``model_dir`` and, with ``speculation: draft``, the draft model's pool of as many blocks.
@@ -121,15 +124,19 @@ def with_kv_budget(cfg: EngineConfig, model, model_dir: str | Path, *, allow_fra
         name, value = "kv_cache_memory", cfg.kv_cache_memory
         budget = _budget_bytes(cfg, weights, allow_fraction)
         if budget < per_block:
-            raise ValueError(f"kv_cache_memory={value!r}: {budget} bytes hold no KV block "
-                             f"({per_block} bytes of {cfg.block_size} tokens)")
+            raise ValueError(
+                f"kv_cache_memory={value!r}: {budget} bytes hold no KV block "
+                f"({per_block} bytes of {cfg.block_size} tokens)"
+            )
         cfg = dataclasses.replace(cfg, num_kv_blocks=budget // per_block)
     if check_fit:
         free = available_memory(cfg.device)
         if weights + cfg.num_kv_blocks * per_block > free:
             what = {SpecMethod.DRAFT: "the model and its draft model", SpecMethod.MTP: "the model and its MTP heads"}
             what = what.get(cfg.method, "the model")
-            raise ValueError(f"{name}={value!r}: {what} ({weights / 2**30:.2f} GiB) and a KV pool of "
-                             f"{cfg.num_kv_blocks} blocks ({cfg.num_kv_blocks * per_block / 2**30:.2f} GiB) need "
-                             f"more than the {free / 2**30:.2f} GiB available")
+            raise ValueError(
+                f"{name}={value!r}: {what} ({weights / 2**30:.2f} GiB) and a KV pool of "
+                f"{cfg.num_kv_blocks} blocks ({cfg.num_kv_blocks * per_block / 2**30:.2f} GiB) need "
+                f"more than the {free / 2**30:.2f} GiB available"
+            )
     return cfg

@@ -89,13 +89,20 @@ class EngineProcess:
 
     profile_pending = False  # the child profiles its stages while it loads
 
-    def __init__(self, config: EngineConfig, *, stats_interval_s: float = 0.25,
-                 on_exit: Callable[[str], None] | None = None, start_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        stats_interval_s: float = 0.25,
+        on_exit: Callable[[str], None] | None = None,
+        start_timeout_s: float = 600.0,
+    ):
         # a fresh interpreter running this module, not multiprocessing's spawn, which re-runs the
         # parent's main module (a user's script, or whatever Triton's stub calls its main)
         ours, theirs = socket.socketpair()
-        self._proc = subprocess.Popen([python_executable(), "-m", __name__, "--fd", str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()])
+        self._proc = subprocess.Popen(
+            [python_executable(), "-m", __name__, "--fd", str(theirs.fileno())], pass_fds=[theirs.fileno()]
+        )
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send((config, stats_interval_s))
@@ -135,15 +142,23 @@ class EngineProcess:
         return payload
 
     # ---- LLMEngine's serving surface ------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    add_special_tokens: bool = True, arrived_at: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        arrived_at: float | None = None,
+    ) -> None:
         params = params or SamplingParams()
         arrived_at = time.perf_counter() if arrived_at is None else arrived_at  # not when the child reads it
         if request_id in self._unfinished:
             raise ValueError(f"request_id={request_id!r}: already in use")
         try:  # the child gets token ids: the text is encoded here, once
-            ids = checked_prompt(self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params,
-                                 add_special_tokens)
+            ids = checked_prompt(
+                self.tok, self.model_config.vocab_size, self.max_model_len, prompt, params, add_special_tokens
+            )
         except ValueError:
             self.stats.count_rejected()
             raise
@@ -298,8 +313,9 @@ def _child_main(conn: Connection) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", f"the engine process failed to load: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"config": engine.config, "max_model_len": engine.max_model_len,
-                         "snapshot": engine.stats.snapshot()}))
+    conn.send(
+        ("ready", {"config": engine.config, "max_model_len": engine.max_model_len, "snapshot": engine.stats.snapshot()})
+    )
     # What the engine loaded (modules, weights' wrappers, tokenizer) is never scanned again: without
     # this, the collections that the steps' short-lived objects trigger walked it, about 4 % of
     # the process's time at c=16 (py-spy), as the stub's freeze in backend/model.py avoids there.

@@ -60,8 +60,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, policy, acceptance: AcceptanceStats, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_draft_tokens: int, kv_high_water: float, speculative: bool):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        policy,
+        acceptance: AcceptanceStats,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_draft_tokens: int,
+        kv_high_water: float,
+        speculative: bool,
+    ):
         self.blocks = blocks
         self.policy = policy
         self.acceptance = acceptance
@@ -82,7 +91,7 @@ class Scheduler:
         # array (a position never drafted has zero counts: its estimate is the global rate)
         for counts in (seq.pos_reached, seq.pos_accepted):
             counts.extend([0.0] * (self.max_k - len(counts)))
-            del counts[max(self.max_k, 1):]  # (never drafted deeper than this engine's k anyway)
+            del counts[max(self.max_k, 1) :]  # (never drafted deeper than this engine's k anyway)
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def remove(self, seq: Sequence) -> None:
@@ -196,7 +205,10 @@ class Scheduler:
             if not seq.admitted:  # a first admission, not a recompute after preemption
                 self.prefix_queries += seq.prompt_len
                 self.prefix_hits += seq.num_computed
-                seq.kv_reused_blocks, seq.kv_block_size = seq.num_computed // self.blocks.block_size, self.blocks.block_size
+                seq.kv_reused_blocks, seq.kv_block_size = (
+                    seq.num_computed // self.blocks.block_size,
+                    self.blocks.block_size,
+                )
             self.waiting.pop(0)
             seq.status, seq.admitted = Status.RUNNING, True
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
@@ -205,8 +217,9 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _choose_drafts(self, cands: list[ScheduledSeq], budget: int, base: int, context: int, prefill: int,
-                       requests: int) -> None:
+    def _choose_drafts(
+        self, cands: list[ScheduledSeq], budget: int, base: int, context: int, prefill: int, requests: int
+    ) -> None:
         """k for each candidate, within the step's remaining token ``budget``; ``base``: the step's
         tokens before drafts, ``context``: KV slots its attention reads."""
         if self.max_k == 0 or budget <= 0:
@@ -243,13 +256,26 @@ class Scheduler:
         over a chain is about twice as fast as np.array over nested lists), the rest vectorised.
         Gives what :meth:`_small_batch` gives, as arrays (a test compares them)."""
         b, max_k, bs, tables = len(seqs), self.max_k, self.blocks.block_size, self.blocks.tables
-        info = np.fromiter(chain.from_iterable(
-            (len(s.token_ids), len(tables[s.request_id]), min(s.draft_cap_asked, s.draft_room), s.end_len, s.sampled)
-            for s in seqs), np.int64, 5 * b).reshape(b, 5)
+        info = np.fromiter(
+            chain.from_iterable(
+                (
+                    len(s.token_ids),
+                    len(tables[s.request_id]),
+                    min(s.draft_cap_asked, s.draft_room),
+                    s.end_len,
+                    s.sampled,
+                )
+                for s in seqs
+            ),
+            np.int64,
+            5 * b,
+        ).reshape(b, 5)
         n_tok = info[:, 0]
-        limits = np.minimum(np.minimum(info[:, 2], max_k),
-                            # drafts beyond max_tokens - 1 can never be emitted (the bonus token comes too)
-                            np.minimum(info[:, 3] - n_tok - 1, info[:, 1] * bs - n_tok + free_slots)).clip(0)
+        limits = np.minimum(
+            np.minimum(info[:, 2], max_k),
+            # drafts beyond max_tokens - 1 can never be emitted (the bonus token comes too)
+            np.minimum(info[:, 3] - n_tok - 1, info[:, 1] * bs - n_tok + free_slots),
+        ).clip(0)
         sampled = info[:, 4].astype(bool)
         # request_alphas() for all at once: the request's decayed counts smoothed toward its mode's rates
         rates = np.where(sampled[:, None], self.acceptance.rates(True)[:max_k], self.acceptance.rates(False)[:max_k])
@@ -266,8 +292,13 @@ class Scheduler:
         limits, alphas, sampled = [], [], []
         for seq in seqs:
             n_tok = len(seq.token_ids)
-            limit = min(max_k, seq.draft_cap_asked, seq.draft_room, seq.end_len - n_tok - 1,
-                        len(tables[seq.request_id]) * bs - n_tok + free_slots)
+            limit = min(
+                max_k,
+                seq.draft_cap_asked,
+                seq.draft_room,
+                seq.end_len - n_tok - 1,
+                len(tables[seq.request_id]) * bs - n_tok + free_slots,
+            )
             limits.append(max(0, limit))
             alphas.append(request_alphas(seq.pos_reached, seq.pos_accepted, rates[seq.sampled], max_k))
             sampled.append(seq.sampled)

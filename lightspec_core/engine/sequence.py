@@ -16,8 +16,14 @@ from ..config import SamplingParams
 from ..models.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
 
-def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: str | list[int],
-                   params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
+def checked_prompt(
+    tok: TokenizerInfo,
+    vocab: int,
+    max_model_len: int,
+    prompt: str | list[int],
+    params: SamplingParams,
+    add_special_tokens: bool = True,
+) -> list[int]:
     """The prompt's token ids, or a ``ValueError`` naming ``prompt``, ``max_tokens``, ``min_tokens``
     or ``end_id`` (checked here, not at its first use inside a batched step, which would fail the
     whole batch).
@@ -33,11 +39,15 @@ def checked_prompt(tok: TokenizerInfo, vocab: int, max_model_len: int, prompt: s
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt: {len(ids)} tokens, the context holds {max_model_len}")
     if params.max_tokens is None and params.min_tokens > max_model_len - len(ids):
-        raise ValueError(f"min_tokens={params.min_tokens}: the context of {max_model_len} tokens leaves "
-                         f"{max_model_len - len(ids)} after the prompt ({len(ids)} tokens)")
+        raise ValueError(
+            f"min_tokens={params.min_tokens}: the context of {max_model_len} tokens leaves "
+            f"{max_model_len - len(ids)} after the prompt ({len(ids)} tokens)"
+        )
     if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
-        raise ValueError(f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
-                         f"context of {max_model_len} tokens")
+        raise ValueError(
+            f"max_tokens={params.max_tokens}: prompt ({len(ids)} tokens) + max_tokens exceeds the "
+            f"context of {max_model_len} tokens"
+        )
     return ids
 
 
@@ -48,14 +58,21 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detok: IncrementalDetokenizer, seed: int, arrival: int, arrived_at: float | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        detok: IncrementalDetokenizer,
+        seed: int,
+        arrival: int,
+        arrived_at: float | None = None,
+    ):
         self.request_id = request_id
         self.params = params
         self.prompt_len = len(prompt_ids)
         self.token_ids: list[int] = list(prompt_ids)
-        self.num_computed = 0
-        self.status = Status.WAITING
+        self.reset_for_recompute()  # what a preemption forgets: computed tokens, proposers' inputs
         self.arrival = arrival  # monotonically increasing admission order
         self.rng = np.random.default_rng(params.seed if params.seed is not None else seed)
         self.detok = detok
@@ -66,16 +83,9 @@ class Sequence:
         self.error: str | None = None
         self.aborted = False
         self.abort_error: str | None = None  # aborted as a failure (see LLMEngine.abort)
-        # speculation state
-        self.last_hidden: np.ndarray | None = None  # target hidden at the last verified position
-        self.draft_computed = 0  # tokens whose K/V the draft model holds
-        # fused MTP: the drafts the target stage proposed for the next step, valid while the
-        # sequence has ``fused_at`` tokens (see ModelCall.mtp_drafts)
-        self.fused_ids: list[int] | None = None
-        self.fused_conf: list[float] | None = None
-        self.fused_at = -1
+        # speculation state beside reset_for_recompute's
+        self.fused_at = -1  # fused MTP: fused_ids are valid while the sequence has this many tokens
         self.ngram_index = None  # the n-gram proposer's incremental index of token_ids (NgramIndex)
-        self.warm = False  # a sampled step completed since (re)admission: proposers have their inputs
         self.num_draft = 0
         self.num_accepted = 0
         self.num_steps = 0
@@ -115,7 +125,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len :]
 
     @property
     def masks_end(self) -> bool:
@@ -162,8 +172,10 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         self.num_computed = 0
-        self.draft_computed = 0
-        self.last_hidden = None
-        self.fused_ids = self.fused_conf = None
-        self.warm = False
+        self.draft_computed = 0  # tokens whose K/V the draft model holds
+        self.last_hidden: np.ndarray | None = None  # target hidden at the last verified position
+        # fused MTP: the drafts the target stage proposed for the next step (see ModelCall.mtp_drafts)
+        self.fused_ids: list[int] | None = None
+        self.fused_conf: list[float] | None = None
+        self.warm = False  # a sampled step completed since (re)admission: proposers have their inputs
         self.status = Status.WAITING

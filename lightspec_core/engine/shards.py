@@ -30,8 +30,13 @@ from .process import EngineProcess, error_delta
 log = logging.getLogger("lightspec")
 
 # averaged, not summed: ratios, and what each engine's dynamic policy believes a step costs
-MEAN_KEYS = ("kv_cache_usage_ratio", "kv_cache_fragmentation_ratio", "policy_draft_cost_seconds",
-             "policy_step_excess_seconds", "policy_step_overhead_seconds")
+MEAN_KEYS = (
+    "kv_cache_usage_ratio",
+    "kv_cache_fragmentation_ratio",
+    "policy_draft_cost_seconds",
+    "policy_step_excess_seconds",
+    "policy_step_overhead_seconds",
+)
 
 
 def merge_snapshots(snapshots: list[dict]) -> dict:
@@ -110,8 +115,15 @@ class EngineShards:
         self._shard_of: dict[str, EngineProcess] = {}
         self._threads = [self._total_threads] * n  # what each shard was last told
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    add_special_tokens: bool = True, arrived_at: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        arrived_at: float | None = None,
+    ) -> None:
         if request_id in self._shard_of:
             raise ValueError(f"request_id={request_id!r}: already in use")
         # a shard whose child is gone fails at once whatever it is given, so it always looks the

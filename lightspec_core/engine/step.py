@@ -63,8 +63,9 @@ class PackedStep:
         return (int(want.sum()), int(want.max())) if want.size else (0, 0)
 
 
-def pack_step(plan: StepPlan, props: list[Proposal], tables: list[list[int]],
-              extra: dict[str, np.ndarray]) -> PackedStep:
+def pack_step(
+    plan: StepPlan, props: list[Proposal], tables: list[list[int]], extra: dict[str, np.ndarray]
+) -> PackedStep:
     """The target call of a step: each request's new tokens then its drafts, back to back; a
     request's sample rows are its last known token's and one per draft. ``extra``: fields the
     proposer sets (see ``Proposer.target_inputs``)."""
@@ -89,8 +90,10 @@ def pack_step(plan: StepPlan, props: list[Proposal], tables: list[list[int]],
         logit_rows.append(list(range(m, m + len(rr))) if sampled else [])
         m += len(rr) if sampled else 0
     call = ModelCall(
-        input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
-        query_lens=np.array(qlens, np.int32), block_tables=pack_block_tables(tables),
+        input_ids=np.array(ids, np.int64),
+        positions=np.array(pos, np.int64),
+        query_lens=np.array(qlens, np.int32),
+        block_tables=pack_block_tables(tables),
         sample_indices=np.array([r for rr in rows for r in rr], np.int64),
         return_logits=np.array(flags if any(flags) and not all(flags) else [any(flags)]),
         return_hidden=np.array([False]),

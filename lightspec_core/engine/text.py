@@ -51,10 +51,18 @@ def take_delta(seq: Sequence, finished: bool = False, interval: int = 1) -> Requ
     seq.sent_tokens = seq.num_output
     seq.sent_chars = max(seq.sent_chars, end)
     return RequestDelta(
-        request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
-        finish_reason=seq.finish_reason, error=seq.error, num_prompt_tokens=seq.prompt_len,
-        num_output_tokens=seq.num_output, num_draft_tokens=seq.num_draft, num_accepted_tokens=seq.num_accepted,
-        acceptance_histogram=list(seq.accept_hist), perf=perf_metrics(seq) if seq.params.return_perf_metrics else None,
+        request_id=seq.request_id,
+        new_token_ids=new_ids,
+        new_text=new_text,
+        finished=finished,
+        finish_reason=seq.finish_reason,
+        error=seq.error,
+        num_prompt_tokens=seq.prompt_len,
+        num_output_tokens=seq.num_output,
+        num_draft_tokens=seq.num_draft,
+        num_accepted_tokens=seq.num_accepted,
+        acceptance_histogram=list(seq.accept_hist),
+        perf=perf_metrics(seq) if seq.params.return_perf_metrics else None,
     )
 
 
@@ -64,6 +72,8 @@ def perf_metrics(seq: Sequence) -> tuple[int, int, int, int, int, int, int]:
     the cache's (none before its first admission): a repeated prompt of 5 blocks gives 1, 1, 4."""
     size = seq.kv_block_size
     allocated = -(-seq.num_tokens // size) - seq.kv_reused_blocks if size else 0
-    ns = [int(t * 1e9) if t is not None else 0 for t in (seq.t_arrival, seq.t_scheduled, seq.t_first_token,
-                                                          seq.t_last_token)]
+    ns = [
+        int(t * 1e9) if t is not None else 0
+        for t in (seq.t_arrival, seq.t_scheduled, seq.t_first_token, seq.t_last_token)
+    ]
     return (allocated, seq.kv_reused_blocks, allocated, *ns)

@@ -54,6 +54,9 @@ def write_checkpoint(model_dir: str | Path, state: dict[str, torch.Tensor], conf
 
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(model_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous() for k, v in state.items()},
+        str(model_dir / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -41,16 +41,36 @@ from .rope import RopeScaling, parse_rope, refused
 # fields with no effect on a forward pass at inference: ids, dtype (weights are converted to the
 # runner's dtype), bookkeeping, dropout (off at inference), pretraining_tp (a matmul split with the
 # same result, which transformers 5 no longer reads), chunked feed-forward (same result)
-ACCEPTED = frozenset({
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",
-    "pretraining_tp", "chunk_size_feed_forward", "id2label", "label2id", "problem_type",
-    "output_hidden_states", "output_attentions", "return_dict", "_name_or_path", "tokenizer_class",
-    "task_specific_params",
-})
+ACCEPTED = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "initializer_range",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "attention_dropout",
+        "pretraining_tp",
+        "chunk_size_feed_forward",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "_name_or_path",
+        "tokenizer_class",
+        "task_specific_params",
+    }
+)
 # read by rope.parse_rope, which refuses what it does not implement
-ROPE_FIELDS = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings",
-                         "partial_rotary_factor"})
+ROPE_FIELDS = frozenset(
+    {"rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings", "partial_rotary_factor"}
+)
 
 
 @dataclass(frozen=True)
@@ -59,16 +79,45 @@ class Family:
     defaults: dict  # the math fields this family reads, each with transformers' default
 
 
-_COMMON = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
-_QWEN = dict(_COMMON, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
-             max_position_embeddings=32768, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
-             layer_types=None)
+_COMMON = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "head_dim": None,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+_QWEN = dict(
+    _COMMON,
+    vocab_size=151936,
+    intermediate_size=22016,
+    num_key_value_heads=32,
+    max_position_embeddings=32768,
+    use_sliding_window=False,
+    sliding_window=4096,
+    max_window_layers=28,
+    layer_types=None,
+)
 FAMILIES = {
-    "llama": Family("LlamaForCausalLM", dict(_COMMON, intermediate_size=11008, num_key_value_heads=None,
-                                             max_position_embeddings=2048, attention_bias=False, mlp_bias=False)),
-    "mistral": Family("MistralForCausalLM", dict(_COMMON, intermediate_size=14336, num_key_value_heads=8,
-                                                 max_position_embeddings=131072, sliding_window=4096)),
+    "llama": Family(
+        "LlamaForCausalLM",
+        dict(
+            _COMMON,
+            intermediate_size=11008,
+            num_key_value_heads=None,
+            max_position_embeddings=2048,
+            attention_bias=False,
+            mlp_bias=False,
+        ),
+    ),
+    "mistral": Family(
+        "MistralForCausalLM",
+        dict(
+            _COMMON, intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096
+        ),
+    ),
     "qwen2": Family("Qwen2ForCausalLM", _QWEN),
     "qwen3": Family("Qwen3ForCausalLM", dict(_QWEN, head_dim=128, attention_bias=False)),
 }
@@ -108,8 +157,10 @@ class LlamaConfig:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if not self.eos_token_ids and self.eos_token_id is not None:
             self.eos_token_ids = (self.eos_token_id,)
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -129,9 +180,14 @@ class LlamaConfig:
         """Refuse a served context this model's math cannot give exactly: one longer than its
         attention window (the runner attends to the whole context) or past what dynamic rope allows."""
         if self.sliding_window is not None and self.sliding_window < max_context:
-            raise refused("sliding_window", self.sliding_window, (
-                f"the runner attends to the whole context, and {max_context} tokens would be served; "
-                f"serve at most sliding_window tokens (max_model_len)"))
+            raise refused(
+                "sliding_window",
+                self.sliding_window,
+                (
+                    f"the runner attends to the whole context, and {max_context} tokens would be served; "
+                    f"serve at most sliding_window tokens (max_model_len)"
+                ),
+            )
         if self.rope_scaling is not None:
             self.rope_scaling.check_context(max_context, self.max_position_embeddings)
 
@@ -162,34 +218,71 @@ class LlamaConfig:
             raise refused("hidden_act", v["hidden_act"], "the MLP is SwiGLU: silu only")
         rope_theta, scaling = parse_rope(raw, v["max_position_embeddings"])
         window, sliding_layers = _sliding(model_type, v)
-        shape = {k: v[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                   "num_attention_heads", "max_position_embeddings", "rms_norm_eps", "head_dim")}
-        return cls(**shape, num_key_value_heads=v["num_key_value_heads"] or v["num_attention_heads"],
-                   rope_theta=rope_theta, tie_word_embeddings=bool(v["tie_word_embeddings"]),
-                   bos_token_id=raw.get("bos_token_id"), eos_token_id=None, pad_token_id=raw.get("pad_token_id"),
-                   model_type=model_type, attention_bias=bool(v.get("attention_bias", False)),
-                   mlp_bias=bool(v.get("mlp_bias", False)), rope_scaling=scaling, sliding_window=window,
-                   sliding_layers=sliding_layers, eos_token_ids=eos_token_ids or _ids(raw.get("eos_token_id")))
+        shape = {
+            k: v[k]
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "max_position_embeddings",
+                "rms_norm_eps",
+                "head_dim",
+            )
+        }
+        return cls(
+            **shape,
+            num_key_value_heads=v["num_key_value_heads"] or v["num_attention_heads"],
+            rope_theta=rope_theta,
+            tie_word_embeddings=bool(v["tie_word_embeddings"]),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=None,
+            pad_token_id=raw.get("pad_token_id"),
+            model_type=model_type,
+            attention_bias=bool(v.get("attention_bias", False)),
+            mlp_bias=bool(v.get("mlp_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            eos_token_ids=eos_token_ids or _ids(raw.get("eos_token_id")),
+        )
 
     def to_hf_dict(self, torch_dtype: str = "float32") -> dict:
         """A config.json transformers (4 and 5) loads: the hub's form, rope_scaling beside rope_theta."""
-        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+        keys = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
+            "tie_word_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+        )
         d = {k: getattr(self, k) for k in keys}
         if len(self.eos_token_ids) > 1:
             d["eos_token_id"] = list(self.eos_token_ids)
         family = FAMILIES[self.model_type]
-        d.update(architectures=[family.architecture], model_type=self.model_type, head_dim=self.head_dim,
-                 hidden_act="silu")
+        d.update(
+            architectures=[family.architecture], model_type=self.model_type, head_dim=self.head_dim, hidden_act="silu"
+        )
         d.update({k: getattr(self, k) for k in ("attention_bias", "mlp_bias") if k in family.defaults})
         if self.rope_scaling is not None:
             d["rope_scaling"] = self.rope_scaling.to_hf()
         if self.model_type == "mistral":
             d["sliding_window"] = self.sliding_window
         elif self.model_type in ("qwen2", "qwen3"):
-            d.update(use_sliding_window=bool(self.sliding_layers), sliding_window=self.sliding_window,
-                     layer_types=[_LAYER_TYPES[i in self.sliding_layers] for i in range(self.num_hidden_layers)])
+            d.update(
+                use_sliding_window=bool(self.sliding_layers),
+                sliding_window=self.sliding_window,
+                layer_types=[_LAYER_TYPES[i in self.sliding_layers] for i in range(self.num_hidden_layers)],
+            )
         d["torch_dtype"] = torch_dtype
         return d
 

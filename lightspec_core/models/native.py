@@ -47,9 +47,7 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep))) or platform.machine()
 
 
-def build(
-    source: Path, compiler: str | None = None, out_dir: Path | None = None, flags: list[str] = FLAGS
-) -> Path:
+def build(source: Path, compiler: str | None = None, out_dir: Path | None = None, flags: list[str] = FLAGS) -> Path:
     """Compiles ``source`` with ``flags`` (once per source, flags and CPU) and returns the shared
     library's path. Raises ``RuntimeError`` with the compiler's message when it fails."""
     cc = shlex.split(compiler or os.environ.get("CC") or "cc")

@@ -84,8 +84,13 @@ class ConfidenceStats:
 ALPHA_STRENGTH = 4.0  # pseudo-counts of the global rates in a request's estimate (request_alphas)
 
 
-def request_alphas(pos_reached: list[float], pos_accepted: list[float], global_rates: list[float],
-                   k: int, strength: float = ALPHA_STRENGTH) -> list[float]:
+def request_alphas(
+    pos_reached: list[float],
+    pos_accepted: list[float],
+    global_rates: list[float],
+    k: int,
+    strength: float = ALPHA_STRENGTH,
+) -> list[float]:
     """Per-request rates smoothed toward the global ones while the request has little history.
     A request's own counts decay (about ten drafted steps of memory, see ``Sequence``), so
     ``strength`` also bounds how far below the global rate a hopeless request can fall: with 4

@@ -54,9 +54,18 @@ class ProfileSpec:
     def for_engine(cls, cfg: EngineConfig, model: LlamaConfig, max_model_len: int) -> ProfileSpec:
         """The profile an engine of this configuration plans with (a stage computes the same from
         its own copy of the configuration, so it can take it while it loads)."""
-        return cls(cfg.method, cfg.draft_limit if cfg.speculative else 0, cfg.block_size, cfg.num_kv_blocks,
-                   cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, model.hidden_size,
-                   vocab_size=model.vocab_size, fused_mtp=cfg.fused_mtp)
+        return cls(
+            cfg.method,
+            cfg.draft_limit if cfg.speculative else 0,
+            cfg.block_size,
+            cfg.num_kv_blocks,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            max_model_len,
+            model.hidden_size,
+            vocab_size=model.vocab_size,
+            fused_mtp=cfg.fused_mtp,
+        )
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "method": self.method.value}, sort_keys=True)
@@ -119,8 +128,9 @@ class _Timer:
         return best
 
 
-def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False,
-                 chain: int = 0) -> ModelCall:
+def _target_call(
+    b: int, k: int, ctx: int, table: list[int], hidden: bool, logits: bool = False, chain: int = 0
+) -> ModelCall:
     """``b`` requests verifying ``k`` drafts each; ``chain``: a draft model's call drafting that many
     tokens per request (``ModelCall.draft_chain``) after feeding ``1 + k`` (a catch-up)."""
     q = 1 + k
@@ -138,17 +148,26 @@ def _target_call(b: int, k: int, ctx: int, table: list[int], hidden: bool, logit
 
 def _prefill_call(n: int, table: list[int]) -> ModelCall:
     return ModelCall(
-        input_ids=np.full(n, 3, np.int64), positions=np.arange(n, dtype=np.int64),
-        query_lens=np.array([n], np.int32), block_tables=np.asarray([table], np.int32),
-        sample_indices=np.array([n - 1], np.int64), return_logits=np.array([False]), return_hidden=np.array([False]),
+        input_ids=np.full(n, 3, np.int64),
+        positions=np.arange(n, dtype=np.int64),
+        query_lens=np.array([n], np.int32),
+        block_tables=np.asarray([table], np.int32),
+        sample_indices=np.array([n - 1], np.int64),
+        return_logits=np.array([False]),
+        return_hidden=np.array([False]),
     )
 
 
 def _mtp_call(b: int, k: int, max_k: int, hidden_size: int) -> MTPCall:
     return MTPCall(
-        hidden=np.zeros((b, hidden_size), np.float32), last_ids=np.full(b, 3, np.int64),
-        num_tokens=np.full(b, k, np.int32), temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
-        top_p=np.ones(b, np.float32), uniforms=np.zeros((b, max_k), np.float32), return_probs=np.array([False]),
+        hidden=np.zeros((b, hidden_size), np.float32),
+        last_ids=np.full(b, 3, np.int64),
+        num_tokens=np.full(b, k, np.int32),
+        temperature=np.zeros(b, np.float32),
+        top_k=np.zeros(b, np.int32),
+        top_p=np.ones(b, np.float32),
+        uniforms=np.zeros((b, max_k), np.float32),
+        return_probs=np.array([False]),
     )
 
 
@@ -170,8 +189,9 @@ def _probs_seconds(rows: int, vocab_size: int, clock: Callable[[], float], reps:
     return best
 
 
-def _timer(executor: Executor, spec: ProfileSpec, table: list[int], ctx0: int,
-           clock: Callable[[], float], stages: set[str]) -> _Timer:
+def _timer(
+    executor: Executor, spec: ProfileSpec, table: list[int], ctx0: int, clock: Callable[[], float], stages: set[str]
+) -> _Timer:
     """A timer that runs the other stage's call before each timed one, where ``stages`` (the
     stages this executor runs) has it."""
     timer = _Timer(executor, spec.reps, clock)
@@ -202,8 +222,12 @@ def _geometry(spec: ProfileSpec) -> tuple[int, int, list[int], int]:
     return ctx0, ctx1, list(range(-(-(ctx1 + spec.max_k + 1) // spec.block_size))), room
 
 
-def profile_verify(executor: Executor, spec: ProfileSpec, stages: set[str] = frozenset({"target"}),
-                   clock: Callable[[], float] = time.perf_counter) -> VerifyCost:
+def profile_verify(
+    executor: Executor,
+    spec: ProfileSpec,
+    stages: set[str] = frozenset({"target"}),
+    clock: Callable[[], float] = time.perf_counter,
+) -> VerifyCost:
     """The target stage's cost model (see ``VerifyCost``), timed through ``executor``."""
     ctx0, ctx1, table, room = _geometry(spec)
     timer = _timer(executor, spec, table, ctx0, clock, set(stages))
@@ -252,8 +276,12 @@ def _per_draft(drafted: list[tuple[int, float] | None], per_context: float) -> l
     return out
 
 
-def profile_propose(executor: Executor, spec: ProfileSpec, stages: set[str] = frozenset(),
-                    clock: Callable[[], float] = time.perf_counter) -> ProposeCost:
+def profile_propose(
+    executor: Executor,
+    spec: ProfileSpec,
+    stages: set[str] = frozenset(),
+    clock: Callable[[], float] = time.perf_counter,
+) -> ProposeCost:
     """The proposer stage's cost model (see ``ProposeCost``), timed through ``executor``; an
     n-gram lookup (no stage) costs next to nothing."""
     proposer = PROPOSER_STAGE.get(spec.method) if spec.max_k >= 1 else None
@@ -278,12 +306,14 @@ def profile_propose(executor: Executor, spec: ProfileSpec, stages: set[str] = fr
         b = max([s for s in profile_sizes(spec.max_num_seqs) if s * n <= spec.max_num_batched_tokens] or [1])
         t = timer("draft", _target_call(b, n - 1, ctx0, table, False, chain=1))
         per_fed = max(t - (p0 + p_draft * b + p_depth), 0.0) / (b * (n - 1))
-    return ProposeCost(fixed=float(p0), per_draft=float(max(p_draft, 1e-7)), per_depth=float(p_depth),
-                       per_fed=float(per_fed))
+    return ProposeCost(
+        fixed=float(p0), per_draft=float(max(p_draft, 1e-7)), per_depth=float(p_depth), per_fed=float(per_fed)
+    )
 
 
-def calibrate(executor: Executor, spec: ProfileSpec,
-              clock: Callable[[], float] = time.perf_counter) -> tuple[VerifyCost, ProposeCost]:
+def calibrate(
+    executor: Executor, spec: ProfileSpec, clock: Callable[[], float] = time.perf_counter
+) -> tuple[VerifyCost, ProposeCost]:
     """Both profiles through one executor that runs every stage (in process)."""
     stages = {"target", *PROPOSER_STAGE.values()}
     return profile_verify(executor, spec, stages, clock), profile_propose(executor, spec, stages, clock)

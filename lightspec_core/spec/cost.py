@@ -23,8 +23,9 @@ class VerifyCost:
     what a sampled request's draft costs on top: its row of logits returned by the target and the
     target distribution computed from it for rejection sampling (greedy rows need only top-1 ids)."""
 
-    def __init__(self, sizes, fixed, per_draft, per_context: float = 0.0, per_prefill: float = 0.0,
-                 per_logits_row: float = 0.0):
+    def __init__(
+        self, sizes, fixed, per_draft, per_context: float = 0.0, per_prefill: float = 0.0, per_logits_row: float = 0.0
+    ):
         self.sizes = np.asarray(sizes, dtype=np.float64)
         # plain lists for the per-step lookups (numpy's call overhead would dominate them)
         self._x = self.sizes.tolist()
@@ -48,8 +49,14 @@ class VerifyCost:
         return cls(**d)
 
     def to_dict(self) -> dict:
-        return {"sizes": self._x, "fixed": self._fixed, "per_draft": self._per_draft, "per_context": self.per_context,
-                "per_prefill": self.per_prefill, "per_logits_row": self.per_logits_row}
+        return {
+            "sizes": self._x,
+            "fixed": self._fixed,
+            "per_draft": self._per_draft,
+            "per_context": self.per_context,
+            "per_prefill": self.per_prefill,
+            "per_logits_row": self.per_logits_row,
+        }
 
     def _at(self, y: list[float], b: float) -> float:
         """Piecewise-linear in B through the profiled sizes, extended along the end segments."""
@@ -63,8 +70,12 @@ class VerifyCost:
         return max(self._at(self._per_draft, requests), 1e-7)
 
     def predict(self, requests: int, drafts: int, context: int = 0, prefill: int = 0) -> float:
-        return (max(self._at(self._fixed, requests), 0.0) + self.draft_cost(requests) * drafts
-                + self.per_context * context + self.per_prefill * prefill)
+        return (
+            max(self._at(self._fixed, requests), 0.0)
+            + self.draft_cost(requests) * drafts
+            + self.per_context * context
+            + self.per_prefill * prefill
+        )
 
 
 @dataclass
@@ -103,8 +114,13 @@ class CostModel:
       predicted), so an estimate that is off by a factor (an n-gram lookup's real cost can be 100x
       its generic guess) is corrected in full, shape and level."""
 
-    def __init__(self, verify: VerifyCost | tuple | None = None, propose: ProposeCost | tuple | None = None,
-                 overhead: float = 5e-4, smoothing: float = 0.05):
+    def __init__(
+        self,
+        verify: VerifyCost | tuple | None = None,
+        propose: ProposeCost | tuple | None = None,
+        overhead: float = 5e-4,
+        smoothing: float = 0.05,
+    ):
         if verify is None or isinstance(verify, tuple):
             verify = VerifyCost.linear(*(verify or (3e-3, 1e-4, 1.5e-6, 5e-5)))
         if propose is None or isinstance(propose, tuple):
@@ -127,8 +143,9 @@ class CostModel:
         ratio = min(max(seconds / predicted, scale / 4.0), scale * 4.0)
         return scale + self.smoothing * (ratio - scale)
 
-    def observe_verify(self, requests: int, drafts: int, context: int, prefill: int, seconds: float,
-                       heads: tuple[int, int] = (0, 0)) -> None:
+    def observe_verify(
+        self, requests: int, drafts: int, context: int, prefill: int, seconds: float, heads: tuple[int, int] = (0, 0)
+    ) -> None:
         """``heads``: (drafts, longest chain) the call's fused MTP heads proposed for the next step,
         priced by the proposer's profile (they run in the target's call, see ``MTPProposer``)."""
         seconds -= self.propose_scale * self.propose.predict(*heads)
@@ -154,8 +171,11 @@ class CostModel:
         """Predicted wall time of a step of ``requests`` requests with ``drafts`` drafts in all
         (``depth`` the largest k of any request) and ``prefill`` prompt-chunk tokens."""
         verify = self.verify_scale * self.verify.predict(requests, drafts, context, prefill)
-        return (self.overhead + max(verify + self.verify_extra, 0.0)
-                + self.propose_scale * self.propose.predict(drafts, depth))
+        return (
+            self.overhead
+            + max(verify + self.verify_extra, 0.0)
+            + self.propose_scale * self.propose.predict(drafts, depth)
+        )
 
     def per_slot(self, requests: int) -> float:
         """Marginal seconds of one more draft token at this batch size: verified and proposed."""

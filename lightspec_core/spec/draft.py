@@ -37,8 +37,14 @@ class DraftModelProposer(StatelessProposer):
         if not sampled:
             return [int(t) for t in top1], [None] * len(seqs)
         temp, top_k, top_p = sampling_arrays(sampled)
-        probs = iter(probs_from_logits(torch.from_numpy(logits), torch.from_numpy(temp),
-                                       torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(top_p)).numpy())
+        probs = iter(
+            probs_from_logits(
+                torch.from_numpy(logits),
+                torch.from_numpy(temp),
+                torch.from_numpy(top_k.astype(np.int64)),
+                torch.from_numpy(top_p),
+            ).numpy()
+        )
         toks, qs = [], []
         for s, t1 in zip(seqs, top1):
             if s.params.greedy:
@@ -61,9 +67,13 @@ class DraftModelProposer(StatelessProposer):
         qlens = np.array([len(t) for t in inputs], np.int32)
         bt = pack_block_tables(tables)
         call = ModelCall(
-            input_ids=ids, positions=pos, query_lens=qlens, block_tables=bt,
+            input_ids=ids,
+            positions=pos,
+            query_lens=qlens,
+            block_tables=bt,
             sample_indices=(np.cumsum(qlens) - 1).astype(np.int64),
-            return_logits=np.array([not s.params.greedy for s in seqs]), return_hidden=np.array([False]),
+            return_logits=np.array([not s.params.greedy for s in seqs]),
+            return_hidden=np.array([False]),
             draft_chain=np.array(chain if chain is not None else [], np.int32),
         )
         return self.executor.submit("draft", call).result()
@@ -75,7 +85,7 @@ class DraftModelProposer(StatelessProposer):
         sub = [seqs[i] for i in idx]
         sub_tables = [tables[i] for i in idx]
         # catch up: every unseen known token, sample after the newest one
-        inputs = [s.token_ids[s.draft_computed:] for s in sub]
+        inputs = [s.token_ids[s.draft_computed :] for s in sub]
         starts = [s.draft_computed for s in sub]
         fed = [len(toks) - 1 for toks in inputs]  # beyond the newest token (see Proposal.fed)
         if self.chains and all(s.params.greedy for s in sub):
@@ -98,8 +108,12 @@ class DraftModelProposer(StatelessProposer):
         for j in range(1, max(ks[i] for i in idx)):
             live = [r for r, i in enumerate(idx) if ks[i] > j]
             lsub = [sub[r] for r in live]
-            res = self._call(lsub, [[drafts[r][-1]] for r in live],
-                             [sub[r].num_tokens + j - 1 for r in live], [sub_tables[r] for r in live])
+            res = self._call(
+                lsub,
+                [[drafts[r][-1]] for r in live],
+                [sub[r].num_tokens + j - 1 for r in live],
+                [sub_tables[r] for r in live],
+            )
             toks, q = self._pick(lsub, res.logits, res.top1_ids)
             for n, r in enumerate(live):
                 sub[r].draft_computed += 1

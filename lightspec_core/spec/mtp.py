@@ -38,9 +38,13 @@ class MTPProposer:
             # one head more than the policy gave the request this step (every head after its prompt):
             # its depth can grow a draft a step, and heads whose drafts the policy would not take do
             # not run (each is a pass over every request; the policy prices them as the proposer's)
-            inputs["mtp_drafts"] = np.array([
-                min(s.draft_cap(self.max_k), k + 1 if s.is_decoding else self.max_k)
-                if smp and g else 0 for s, smp, g, k in zip(seqs, samples, greedy, ks)], np.int32)
+            inputs["mtp_drafts"] = np.array(
+                [
+                    min(s.draft_cap(self.max_k), k + 1 if s.is_decoding else self.max_k) if smp and g else 0
+                    for s, smp, g, k in zip(seqs, samples, greedy, ks)
+                ],
+                np.int32,
+            )
             inputs["mtp_conf"] = np.array([self.confidence is not None])
         return inputs
 
@@ -76,8 +80,14 @@ class MTPProposer:
             temperature=temp,
             top_k=top_k,
             top_p=top_p,
-            uniforms=np.stack([s.rng.random(self.max_k, dtype=np.float32) if not s.params.greedy
-                               else np.zeros(self.max_k, np.float32) for s in sub]),
+            uniforms=np.stack(
+                [
+                    s.rng.random(self.max_k, dtype=np.float32)
+                    if not s.params.greedy
+                    else np.zeros(self.max_k, np.float32)
+                    for s in sub
+                ]
+            ),
             return_probs=np.array([bool((temp > 0).any())]),
             min_gain=np.array([floors[i] if floors else 0.0 for i in staged], np.float32),
             calibration=table,
@@ -113,8 +123,12 @@ def _keep_fused(seq, res, b: int, accepted: int) -> None:
     if int(res.accepted[b]) < 0:  # none asked for (no sample row, or no draft allowed)
         return
     if int(res.accepted[b]) != accepted:
-        log.warning("fused MTP: stage accepted %d drafts of %s, the engine %d; drafts dropped",
-                    int(res.accepted[b]), seq.request_id, accepted)
+        log.warning(
+            "fused MTP: stage accepted %d drafts of %s, the engine %d; drafts dropped",
+            int(res.accepted[b]),
+            seq.request_id,
+            accepted,
+        )
         return
     row = res.next_draft_ids[b]
     n = int((row >= 0).sum())

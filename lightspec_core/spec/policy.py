@@ -105,8 +105,15 @@ class DynamicPolicy:
         self.floors = floors
         self._idle = 0
 
-    def choose(self, reqs: list[PolicyInput] | PolicyBatch, base_tokens: int, token_budget: int, context: int = 0,
-               prefill: int = 0, requests: int | None = None) -> Decision:
+    def choose(
+        self,
+        reqs: list[PolicyInput] | PolicyBatch,
+        base_tokens: int,
+        token_budget: int,
+        context: int = 0,
+        prefill: int = 0,
+        requests: int | None = None,
+    ) -> Decision:
         """``base_tokens``: the step's tokens before drafts, ``prefill`` of them prompt chunks;
         ``requests``: requests in the step (default: one token each); ``context``: KV slots read."""
         if requests is None:
@@ -124,8 +131,9 @@ class DynamicPolicy:
             ks = [1 if lim > 0 and i < room else 0 for i, lim in enumerate(list(reqs.limits))]
         return Decision(ks)
 
-    def _allocate(self, reqs: PolicyBatch, base_tokens: int, token_budget: int, context: int, prefill: int,
-                  requests: int) -> tuple[list[int], float, list[float]]:
+    def _allocate(
+        self, reqs: PolicyBatch, base_tokens: int, token_budget: int, context: int, prefill: int, requests: int
+    ) -> tuple[list[int], float, list[float]]:
         """(k per request, the chosen step's goodput in tokens/s, seconds per draft per request)."""
         b = len(reqs)
         room = token_budget - base_tokens
@@ -149,8 +157,9 @@ class DynamicPolicy:
         return ks, rate, costs
 
 
-def _allocate_lists(alphas, lims: list[int], room: int, costs: list[float], base: float, t0: float, fixed: float,
-                    per_depth: float) -> tuple[list[int], float]:
+def _allocate_lists(
+    alphas, lims: list[int], room: int, costs: list[float], base: float, t0: float, fixed: float, per_depth: float
+) -> tuple[list[int], float]:
     """The reference allocation, in plain Python (fast for a few requests: see PolicyBatch). Slots
     (request i, position j) with gain g_{i,j} are taken best gain per second first; for each depth
     cap d, every prefix of that order is a candidate step, and the best goodput wins. Returns
@@ -183,8 +192,16 @@ def _allocate_lists(alphas, lims: list[int], room: int, costs: list[float], base
     return ks, rate
 
 
-def _allocate_arrays(alphas: np.ndarray, lims: np.ndarray, room: int, costs: np.ndarray, base: float, t0: float,
-                     fixed: float, per_depth: float) -> tuple[list[int], float]:
+def _allocate_arrays(
+    alphas: np.ndarray,
+    lims: np.ndarray,
+    room: int,
+    costs: np.ndarray,
+    base: float,
+    t0: float,
+    fixed: float,
+    per_depth: float,
+) -> tuple[list[int], float]:
     """:func:`_allocate_lists` vectorised over every depth cap at once (many requests)."""
     b = len(lims)
     lim = np.minimum(np.asarray(lims), alphas.shape[1])
@@ -220,11 +237,18 @@ class StaticPolicy:
         self.k = k
         self.name = f"static:{k}"
 
-    def choose(self, reqs: list[PolicyInput] | PolicyBatch, base_tokens: int, token_budget: int, context: int = 0,
-               prefill: int = 0, requests: int | None = None) -> Decision:
+    def choose(
+        self,
+        reqs: list[PolicyInput] | PolicyBatch,
+        base_tokens: int,
+        token_budget: int,
+        context: int = 0,
+        prefill: int = 0,
+        requests: int | None = None,
+    ) -> Decision:
         room = token_budget - base_tokens
         ks = []
-        for limit in (list(reqs.limits) if isinstance(reqs, PolicyBatch) else [r.limit for r in reqs]):
+        for limit in list(reqs.limits) if isinstance(reqs, PolicyBatch) else [r.limit for r in reqs]:
             k = max(0, min(self.k, limit, room))
             room -= k
             ks.append(k)

@@ -30,8 +30,9 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence], ks: list[int], tables: list[list[int]],
-                floors: list[float] | None = None) -> list[Proposal]:
+    def propose(
+        self, seqs: list[Sequence], ks: list[int], tables: list[list[int]], floors: list[float] | None = None
+    ) -> list[Proposal]:
         """``floors``: per request, the least cumulative acceptance probability worth a draft (a
         proposer that can estimate one stops drafting below it; the others ignore it)."""
         ...
@@ -41,8 +42,16 @@ class Proposer(Protocol):
         request b's outputs are verified this step, ``ks[b]``: the drafts the policy gave it."""
         ...
 
-    def after_verify(self, seq: Sequence, result: ModelResult, b: int, rows: list[int], drafted: int,
-                     accepted: int, proposal: Proposal) -> None:
+    def after_verify(
+        self,
+        seq: Sequence,
+        result: ModelResult,
+        b: int,
+        rows: list[int],
+        drafted: int,
+        accepted: int,
+        proposal: Proposal,
+    ) -> None:
         """Request ``b`` of the step verified ``accepted`` of its ``drafted`` drafts; ``rows``: its
         rows of the result. Called after the accepted tokens were appended."""
         ...

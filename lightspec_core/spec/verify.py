@@ -31,8 +31,7 @@ def verify_greedy(draft_ids: list[int], target_top1: list[int]) -> list[int]:
     return out
 
 
-def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray,
-                     rng: np.random.Generator) -> list[int]:
+def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, rng: np.random.Generator) -> list[int]:
     """Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
 
     draft_ids [k]; q [k, V] the proposal distributions the drafts were sampled from, or None when the

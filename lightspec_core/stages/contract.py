@@ -77,7 +77,9 @@ class MTPCall:
     # Confidence in [0, 1]: 1 - exp(-gap between the head's two best logits) for a greedy draft,
     # the proposal's top probability for a sampled one (decided before the draft is drawn).
     min_gain: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # fp32 [B]
-    calibration: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.float32))  # fp32 [2 (greedy, sampled), K, buckets]
+    calibration: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, 0, 0), np.float32)
+    )  # fp32 [2 (greedy, sampled), K, buckets]
 
 
 @dataclass

@@ -82,12 +82,15 @@ class LocalExecutor:
     them (docs/benchmarks.md). ``decode_nice`` (0: unchanged): where such a call runs on one thread
     (``decode_threads`` 1), the nice value that thread runs it at (:class:`LoneDecodePriority`)."""
 
-    def __init__(self, runners: dict[str, object], threaded: bool = False, decode_threads: int = 0,
-                 decode_nice: int = 0):
+    def __init__(
+        self, runners: dict[str, object], threaded: bool = False, decode_threads: int = 0, decode_nice: int = 0
+    ):
         self.runners = runners
         self.threaded = threaded
         self._profiles: dict[tuple[str, str], VerifyCost | ProposeCost] = {}  # (stage, spec JSON) -> profile
-        self._pools = {name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in runners} if threaded else {}
+        self._pools = (
+            {name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in runners} if threaded else {}
+        )
         self._threads = (decode_threads, torch.get_num_threads()) if decode_threads else None
         self._priority = LoneDecodePriority(decode_nice) if decode_nice and decode_threads == 1 else None
 
@@ -164,9 +167,12 @@ class LoneDecodePriority:
             os.setpriority(os.PRIO_PROCESS, 0, want)
         except PermissionError:
             self._refused = True
-            log.warning("decode_nice %d: raising the decoding thread's priority is not permitted (needs "
-                        "CAP_SYS_NICE, e.g. docker run --cap-add SYS_NICE); decoding keeps nice %d",
-                        self.nice, self._own[tid])
+            log.warning(
+                "decode_nice %d: raising the decoding thread's priority is not permitted (needs "
+                "CAP_SYS_NICE, e.g. docker run --cap-add SYS_NICE); decoding keeps nice %d",
+                self.nice,
+                self._own[tid],
+            )
             return
         self._now[tid] = want
 

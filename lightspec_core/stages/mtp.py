@@ -54,9 +54,11 @@ class MTPRunner:
         if kmax > self.num_heads:
             raise ValueError(f"num_tokens: {kmax} draft tokens requested but the model has {self.num_heads} MTP heads")
         want_probs = bool(call.return_probs[0])
-        out = MTPResult(draft_ids=np.full((b, big_k), -1, np.int64),
-                        draft_probs=np.zeros((b if want_probs else 0, big_k, self.vocab_size), np.float32),
-                        draft_conf=np.zeros((b, big_k), np.float32))
+        out = MTPResult(
+            draft_ids=np.full((b, big_k), -1, np.int64),
+            draft_probs=np.zeros((b if want_probs else 0, big_k, self.vocab_size), np.float32),
+            draft_conf=np.zeros((b, big_k), np.float32),
+        )
         if kmax == 0:
             return out
         if b == 1 and self.device == "cpu" and (not want_probs or float(call.temperature[0]) <= 0.0):
@@ -134,8 +136,16 @@ class _ConfidenceStop:
     def keep(self, keep: np.ndarray) -> None:
         self.floor, self.mode, self.cum = self.floor[keep], self.mode[keep], self.cum[keep]
 
-    def apply(self, i: int, top2: torch.Tensor, q: torch.Tensor | None, greedy: torch.Tensor, ks: np.ndarray,
-              rows: np.ndarray, confs: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
+    def apply(
+        self,
+        i: int,
+        top2: torch.Tensor,
+        q: torch.Tensor | None,
+        greedy: torch.Tensor,
+        ks: np.ndarray,
+        rows: np.ndarray,
+        confs: np.ndarray,
+    ) -> tuple[np.ndarray, torch.Tensor | None]:
         """Draft ``i``'s confidences into ``confs``; returns the rows that keep it (and their
         indices among ``rows``, None when all do). A greedy row's confidence is 1 - exp(-gap of the
         two best logits), a sampled row's q's top probability: never q of the drawn token, since
@@ -178,9 +188,16 @@ class _Chain:
             return torch.from_numpy(np.ascontiguousarray(np.asarray(a)[rows], dtype=dtype)).to(dev)
 
         stop = _ConfidenceStop(call, rows) if np.asarray(call.calibration).size else None
-        return cls(rows, take(call.hidden, np.float32), take(call.last_ids, np.int64),
-                   take(call.temperature, np.float32), take(call.top_k, np.int64), take(call.top_p, np.float32),
-                   take(call.uniforms, np.float32), stop)
+        return cls(
+            rows,
+            take(call.hidden, np.float32),
+            take(call.last_ids, np.int64),
+            take(call.temperature, np.float32),
+            take(call.top_k, np.int64),
+            take(call.top_p, np.float32),
+            take(call.uniforms, np.float32),
+            stop,
+        )
 
     def keep(self, keep: np.ndarray) -> bool:
         """Keep only the rows marked (order kept); False when none is left."""
@@ -190,7 +207,8 @@ class _Chain:
             self.rows = self.rows[keep]
             sel = torch.from_numpy(np.flatnonzero(keep)).to(self.state.device)
             self.state, self.tok, self.temp, self.top_k, self.top_p, self.u = (
-                t.index_select(0, sel) for t in (self.state, self.tok, self.temp, self.top_k, self.top_p, self.u))
+                t.index_select(0, sel) for t in (self.state, self.tok, self.temp, self.top_k, self.top_p, self.u)
+            )
             if self.stop is not None:
                 self.stop.keep(keep)
         return True

@@ -88,7 +88,9 @@ class ModelRunner:
     def _check_chain(self, call: ModelCall, chain: np.ndarray) -> None:
         b = len(call.query_lens)
         if np.asarray(call.mtp_drafts).size:
-            raise ValueError("draft_chain: not with mtp_drafts (a chain is a draft model's, fused drafts the MTP heads')")
+            raise ValueError(
+                "draft_chain: not with mtp_drafts (a chain is a draft model's, fused drafts the MTP heads')"
+            )
         if chain.shape != (b,):
             raise ValueError(f"draft_chain: {chain.size} values for {b} requests")
         if int(chain.min()) < 0:

@@ -95,7 +95,10 @@ def check_settings(s: dict) -> None:
 def check_context(seq: int, cfg: LlamaConfig) -> None:
     """Windows of ``seq`` tokens, the longest training and its continuations use, must be ones the
     model computes exactly: within its positions, its attention window and its rope scaling."""
-    for name, limit in (("max_position_embeddings", cfg.max_position_embeddings), ("sliding_window", cfg.sliding_window)):
+    for name, limit in (
+        ("max_position_embeddings", cfg.max_position_embeddings),
+        ("sliding_window", cfg.sliding_window),
+    ):
         if limit is not None and seq > limit:
             raise UsageError(f"--seq {seq}: must be <= the model's {name} {limit}")
     try:

@@ -301,8 +301,12 @@ def test_a_stage_not_loaded_within_the_wait_ends_the_requests_unavailable_naming
     pb = stage_pb(cfg)
     pb.models["lightspec_target"] = never = Scripted(pb, NOT_LOADED.format("lightspec_target"))
     faults = []
-    ex = BLSExecutor({"target": "lightspec_target", "mtp": "lightspec_mtp"}, pb, load_wait_s=0.5,
-                     on_fault=lambda model, msg: faults.append(model))
+    ex = BLSExecutor(
+        {"target": "lightspec_target", "mtp": "lightspec_mtp"},
+        pb,
+        load_wait_s=0.5,
+        on_fault=lambda model, msg: faults.append(model),
+    )
     engine = LLMEngine(cfg, executor=ex, profile_now=False)
     orch = Orchestrator(engine, pb, None, cancel_poll_s=0.01)
     r = FakeRequest({"text_input": input_array("text_input", "def f():"), "max_tokens": input_array("max_tokens", 8)})
@@ -323,15 +327,21 @@ def test_a_dead_proposer_stage_fails_its_step_only_and_reports_the_fault(smoke_m
     fault reaches the supervisor, and the requests queued behind are served."""
     cfg = dataclasses.replace(config(smoke_model, "mtp"), policy="static:3", max_num_seqs=1)  # one a step
     pb = stage_pb(cfg)
-    pb.models["lightspec_mtp"] = Scripted(pb, "Stub process 'lightspec_mtp_0_0' is not healthy.",
-                                          pb.models["lightspec_mtp"])  # dead once, then restarted
+    pb.models["lightspec_mtp"] = Scripted(
+        pb, "Stub process 'lightspec_mtp_0_0' is not healthy.", pb.models["lightspec_mtp"]
+    )  # dead once, then restarted
     faults = []
-    ex = BLSExecutor({"target": "lightspec_target", "mtp": "lightspec_mtp"}, pb,
-                     on_fault=lambda model, msg: faults.append(model))
+    ex = BLSExecutor(
+        {"target": "lightspec_target", "mtp": "lightspec_mtp"}, pb, on_fault=lambda model, msg: faults.append(model)
+    )
     engine = LLMEngine(cfg, executor=ex)
     orch = Orchestrator(engine, pb, None, cancel_poll_s=0.01)
-    reqs = [FakeRequest({"text_input": input_array("text_input", f"def f{i}():"),
-                         "max_tokens": input_array("max_tokens", 8)}) for i in range(3)]
+    reqs = [
+        FakeRequest(
+            {"text_input": input_array("text_input", f"def f{i}():"), "max_tokens": input_array("max_tokens", 8)}
+        )
+        for i in range(3)
+    ]
     for r in reqs:
         orch.submit(r)
     try:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from lightspec_backend import cli
+from lightspec_backend.repository import validate_repository
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,9 +52,9 @@ def test_cli_validation_leaves_other_backends_models_alone(tmp_path):
     (tmp_path / "other" / "config.pbtxt").write_text(
         'name: "other"\nbackend: "onnxruntime"\nparameters [ { key: "policy" value: { string_value: "bogus" } } ]\n'
     )
-    assert cli.validate_repository(tmp_path) == []
+    assert validate_repository(tmp_path) == []
     with pytest.raises(ValueError, match="not a directory"):
-        cli.validate_repository(tmp_path / "missing")
+        validate_repository(tmp_path / "missing")
 
 
 def test_cli_repository_writes_a_validated_repository_for_a_checkpoint(tmp_path, smoke_model, capsys, monkeypatch):
@@ -61,8 +62,19 @@ def test_cli_repository_writes_a_validated_repository_for_a_checkpoint(tmp_path,
 
     monkeypatch.chdir(smoke_model)  # a relative --model-dir is made absolute: the repository may move
     out = tmp_path / "repo"
-    argv = ["repository", "--model-dir", "target", "--set", "num_kv_blocks=32", "--set", "kv_cache_memory=0.5",
-            "--set", "stages=triton", "--out", str(out)]
+    argv = [
+        "repository",
+        "--model-dir",
+        "target",
+        "--set",
+        "num_kv_blocks=32",
+        "--set",
+        "kv_cache_memory=0.5",
+        "--set",
+        "stages=triton",
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     assert "wrote" in capsys.readouterr().out
     orch = parse_backend_config(read_config_parameters(out / "lightspec" / "config.pbtxt"), base_dir=out)
@@ -78,7 +90,9 @@ def test_cli_repository_writes_a_validated_repository_for_a_checkpoint(tmp_path,
     argv = ["repository", "--model-dir", "target", "--set", "stages=triton", "--set", "max_num_seqs=abc"]
     assert cli.main([*argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
-    assert err.startswith(f"lightspec repository: {out / 'lightspec' / 'config.pbtxt'}: ") and "max_num_seqs='abc'" in err
+    assert (
+        err.startswith(f"lightspec repository: {out / 'lightspec' / 'config.pbtxt'}: ") and "max_num_seqs='abc'" in err
+    )
     assert (out / "lightspec" / "config.pbtxt").read_text() == before
 
 
@@ -95,8 +109,9 @@ def test_a_missing_checkpoint_is_named_with_a_kv_fraction_too(tmp_path, capsys, 
     ({"stages": "triton", "speculation": "mtp"}, 1, "mtp"),
     ({"data_parallel_size": "2", "speculation": "ngram"}, 2, "ngram"),
 ])  # fmt: skip
-def test_a_kv_fraction_is_shared_by_every_pool_after_every_copy_of_the_weights(smoke_model, monkeypatch,
-                                                                               extra, engines, method):
+def test_a_kv_fraction_is_shared_by_every_pool_after_every_copy_of_the_weights(
+    smoke_model, monkeypatch, extra, engines, method
+):
     from lightspec_core.engine import kv_budget
     from lightspec_core.models.llama import LlamaConfig
 

@@ -93,7 +93,9 @@ def test_trtllm_temperature_without_top_k_or_top_p_decodes_greedily_as_tensorrt_
 
 
 def test_trtllm_top_k_or_top_p_samples_at_its_temperature_or_its_default_one():
-    assert _sampling(trtllm_inputs(_arrays(temperature=0.7, top_k=5), {})) == pytest.approx({"temperature": 0.7, "top_k": 5})
+    assert _sampling(trtllm_inputs(_arrays(temperature=0.7, top_k=5), {})) == pytest.approx(
+        {"temperature": 0.7, "top_k": 5}
+    )
     assert _sampling(trtllm_inputs(_arrays(top_p=0.9), {})) == pytest.approx({"temperature": 1.0, "top_p": 0.9})
 
 

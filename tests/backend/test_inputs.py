@@ -79,7 +79,10 @@ def test_utf8_text_is_decoded():
         ({"text_input": "a", "top_p": 1.5}, "top_p=1.5"),
         ({"text_input": "a", "top_k": -2}, "top_k=-2"),
         ({"text_input": "a", "num_draft_tokens": -2}, "num_draft_tokens=-2"),
-        ({"text_input": "a", "sampling_parameters": '{"top_k": 1e20}'}, "sampling_parameters: top_k=100000000000000000000"),
+        (
+            {"text_input": "a", "sampling_parameters": '{"top_k": 1e20}'},
+            "sampling_parameters: top_k=100000000000000000000",
+        ),
         ({"text_input": "a", "sampling_parameters": '{"max_tokens": "+-5"}'}, "sampling_parameters: max_tokens='+-5'"),
         ({"text_input": "a", "sampling_parameters": '{"seed": "²"}'}, "sampling_parameters: seed='²'"),
         ({"text_input": "a", "stream_interval": 0}, "stream_interval=0: must be a positive integer"),

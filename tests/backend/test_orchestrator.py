@@ -76,8 +76,10 @@ def test_add_special_tokens_reaches_the_engine(served, engine, monkeypatch):
         add(request_id, prompt, params, **kwargs)
 
     monkeypatch.setattr(engine, "add_request", recording)
-    bos, bare = request(text_input="def a():", max_tokens=2), request(text_input="def b():", max_tokens=2,
-                                                                        add_special_tokens=False)
+    bos, bare = (
+        request(text_input="def a():", max_tokens=2),
+        request(text_input="def b():", max_tokens=2, add_special_tokens=False),
+    )
     for r in (bos, bare):
         orch.submit(r)
         assert r.sender.wait_final()
@@ -255,8 +257,7 @@ def fail_second_step(engine, monkeypatch, error: Exception) -> None:
     monkeypatch.setattr(engine, "step", step)
 
 
-def test_time_to_first_token_counts_from_when_the_request_arrived_not_from_the_next_step(served, engine,
-                                                                                       monkeypatch):
+def test_time_to_first_token_counts_from_when_the_request_arrived_not_from_the_next_step(served, engine, monkeypatch):
     """vLLM counts from the request's arrival: one that arrives during a step waits for it, and that
     wait is part of what its client sees."""
     orch, pb = served
@@ -267,6 +268,7 @@ def test_time_to_first_token_counts_from_when_the_request_arrived_not_from_the_n
             if on_launched is not None:
                 on_launched()
             time.sleep(slow)
+
         return real_step(launched)
 
     monkeypatch.setattr(engine, "step", step)
@@ -328,15 +330,16 @@ def test_a_request_whose_step_the_unload_failed_is_unavailable_model_unloaded(en
     """Once the unload began, the stub refuses this model's BLS calls: a request whose step failed
     so ends as every other request of the unload does, not with the refusal's text."""
     orch = Orchestrator(engine, (pb := FakePbUtils()), None, cancel_poll_s=0.01)
-    refused = ("stage failure: stage model 'lightspec_target' unavailable: "
-               "BLS is only supported during the 'execute' function.")
+    refused = (
+        "stage failure: stage model 'lightspec_target' unavailable: "
+        "BLS is only supported during the 'execute' function."
+    )
     step = engine.step
 
     def step_while_unloading(*args, **kwargs):  # the drain's last step, its target call refused
         deltas = step(*args, **kwargs)
         if orch._stopping.is_set():
-            deltas = [dataclasses.replace(d, finish_reason="error", error=refused) if d.finished else d
-                      for d in deltas]
+            deltas = [dataclasses.replace(d, finish_reason="error", error=refused) if d.finished else d for d in deltas]
         return deltas
 
     monkeypatch.setattr(engine, "step", step_while_unloading)
@@ -348,14 +351,19 @@ def test_a_request_whose_step_the_unload_failed_is_unavailable_model_unloaded(en
     orch.shutdown(timeout_s=30)
     assert r.sender.wait_final(1) and len(finals(r)) == 1
     error = r.sender.final.error()
-    assert (error.code(), error.message()) == (pb.TritonError.UNAVAILABLE,
-                                               "the model was unloaded before the request finished")
+    assert (error.code(), error.message()) == (
+        pb.TritonError.UNAVAILABLE,
+        "the model was unloaded before the request finished",
+    )
 
 
 def test_step_failure_of_a_dead_stage_is_unavailable_naming_it(served, engine, monkeypatch):
     orch, pb = served
-    fail_second_step(engine, monkeypatch,
-                     StageUnavailable("stage model 'lightspec_target' unavailable: Stub process is not healthy."))
+    fail_second_step(
+        engine,
+        monkeypatch,
+        StageUnavailable("stage model 'lightspec_target' unavailable: Stub process is not healthy."),
+    )
     first = request(text_input="a = 1", max_tokens=50, ignore_eos=True)
     orch.submit(first)
     assert first.sender.wait_final(30)

@@ -186,7 +186,9 @@ def test_a_stage_that_would_size_or_index_its_pool_differently_is_a_load_error(t
     repo = write_model_repository(tmp_path, {**BLS, "kv_cache_memory": "8MiB", "speculation": speculation})
     target_cfg = repo / "lightspec_target" / "config.pbtxt"
     # appended after the list, a key's second value is the one the parser keeps
-    target_cfg.write_text(target_cfg.read_text() + f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n')
+    target_cfg.write_text(
+        target_cfg.read_text() + f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+    )
     cfg = parse_backend_config(read_config_parameters(repo / "lightspec" / "config.pbtxt"), base_dir=repo)
     with pytest.raises(ValueError, match=rf"{key}=.*differs from stage model 'lightspec_target'"):
         check_stage_configs(cfg, repo)
@@ -212,8 +214,12 @@ def test_local_mtp_runs_in_the_orchestrator_and_needs_no_stage_model():
 
     cfg = parse_backend_config({"mtp": "local", "speculation": "mtp", **BLS})
     assert cfg.stages_in_use() == ["target"] and cfg.local_stage("mtp")
-    assert set(render_repository({"mtp": "local", **BLS})) == {"lightspec", "lightspec_target", "lightspec_draft",
-                                                           "lightspec_batched"}
+    assert set(render_repository({"mtp": "local", **BLS})) == {
+        "lightspec",
+        "lightspec_target",
+        "lightspec_draft",
+        "lightspec_batched",
+    }
     heads_stage = parse_backend_config({"speculation": "mtp", "mtp": "lightspec_mtp", **BLS})
     assert heads_stage.stages_in_use() == ["target", "mtp"]
     assert parse_backend_config({"speculation": "mtp", **BLS}).stages_in_use() == ["target"]  # fused: the default
@@ -228,8 +234,12 @@ def test_fused_mtp_loads_the_heads_into_the_target_stage(tmp_path, smoke_model):
     cfg = parse_backend_config({"mtp": "fused", "speculation": "mtp", **BLS})
     assert cfg.engine.fused_mtp and cfg.fused and cfg.local_stage("mtp") and cfg.stages_in_use() == ["target"]
     assert not parse_backend_config({"mtp": "local"}).engine.fused_mtp
-    assert set(render_repository({"mtp": "fused", **BLS})) == {"lightspec", "lightspec_target", "lightspec_draft",
-                                                           "lightspec_batched"}
+    assert set(render_repository({"mtp": "fused", **BLS})) == {
+        "lightspec",
+        "lightspec_target",
+        "lightspec_draft",
+        "lightspec_batched",
+    }
     repo = write_model_repository(tmp_path / "fused", {"mtp": "fused", "model_dir": str(smoke_model / "target"), **BLS})
     target = parse_backend_config(read_config_parameters(repo / "lightspec_target" / "config.pbtxt"), base_dir=repo)
     assert target.loads_heads
@@ -239,13 +249,18 @@ def test_fused_mtp_loads_the_heads_into_the_target_stage(tmp_path, smoke_model):
     plain = write_model_repository(tmp_path / "plain",
                                    {"model_dir": str(smoke_model / "target"), "mtp": "local", **BLS})  # fmt: skip
     with pytest.raises(ValueError, match=r"mtp='fused': stage model 'lightspec_target' does not load the MTP heads"):
-        check_stage_configs(parse_backend_config({"mtp": "fused", "model_dir": str(smoke_model / "target"), **BLS},
-                                                 base_dir=plain), plain)
+        check_stage_configs(
+            parse_backend_config({"mtp": "fused", "model_dir": str(smoke_model / "target"), **BLS}, base_dir=plain),
+            plain,
+        )
     assert not parse_backend_config({"role": "draft", "mtp": "fused"}).loads_heads  # only a target stage
     assert not parse_backend_config({"mtp": "fused", "speculation": "ngram"}).engine.fused_mtp
     with pytest.raises(ValueError, match=r"parameter mtp_dir='.*nowhere'"):
-        check_checkpoints(parse_backend_config({"role": "target", "model_dir": str(smoke_model / "target"),
-                                                "mtp_dir": str(tmp_path / "nowhere")}))
+        check_checkpoints(
+            parse_backend_config(
+                {"role": "target", "model_dir": str(smoke_model / "target"), "mtp_dir": str(tmp_path / "nowhere")}
+            )
+        )
 
 
 @pytest.mark.parametrize("old", ["mtp_model", "mtp_heads", "fused_mtp"])

@@ -123,7 +123,9 @@ def test_perf_metrics_become_tensorrt_llm_outputs_with_its_dtypes_only_when_aske
     perf = (3, 2, 5, 10**18, 10**18 + 1, 10**18 + 2, 10**18 + 3)  # times past 2**32: INT64, not INT32
     delta = RequestDelta("r", [10], "a", num_prompt_tokens=4, num_output_tokens=1, perf=perf)
     out = build_response(state(True), delta)
-    got = {n: (a.dtype, a.tolist()) for n, a in out.items() if n.startswith(("kv_cache_", "arrival", "first_", "last_"))}
+    got = {
+        n: (a.dtype, a.tolist()) for n, a in out.items() if n.startswith(("kv_cache_", "arrival", "first_", "last_"))
+    }
     assert got == {
         "kv_cache_alloc_new_blocks": (np.int32, [3]),
         "kv_cache_reused_blocks": (np.int32, [2]),

@@ -166,8 +166,15 @@ def test_trtllm_beam_width_2_is_invalid_arg_naming_it(server):
     assert err is not None and err.message().startswith("beam_width=2: not supported")
 
 
-PERF = ["kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
-        "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"]
+PERF = [
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+]
 
 
 def test_trtllm_return_perf_metrics_streams_kv_blocks_and_steady_clock_times(server, reference):
@@ -239,7 +246,9 @@ def test_headers_the_server_forwards_reach_neither_model_as_sampling_keys(tmp_pa
     with TritonServer(repo, cache_dir=tmp_path / "cache", model_control_mode="explicit",
                       load_models=["lightspec", "lightspec_batched"], extra_args=args) as srv:  # fmt: skip
         tenant = {"x-tenant-id": "acme"}
-        plain, err = grpc_stream(srv.grpc_url, "lightspec", grpc_inputs(text_input=PROMPT, max_tokens=8), headers=tenant)
+        plain, err = grpc_stream(
+            srv.grpc_url, "lightspec", grpc_inputs(text_input=PROMPT, max_tokens=8), headers=tenant
+        )
         assert err is None, err
         assert text_of(plain) == PROMPT + greedy(reference, 8)  # not streamed: the prompt leads
         batched, err = grpc_stream(srv.grpc_url, "lightspec_batched",

@@ -30,9 +30,28 @@ def test_serve_model_dir_of_another_family_matches_the_engine(tmp_path, default_
     want = eng.generate(PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))[0].text
     eng.close()
     env = {**os.environ, "LIGHTSPEC_CACHE": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "lightspec_backend.cli", "serve", "--model-dir", str(path), "--speculation", "ngram",
-           "--set", "num_kv_blocks=32", "--set", "num_threads=1", "--http-port", "0", "--grpc-port", "0",
-           "--metrics-port", "0", "--openai-port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightspec_backend.cli",
+        "serve",
+        "--model-dir",
+        str(path),
+        "--speculation",
+        "ngram",
+        "--set",
+        "num_kv_blocks=32",
+        "--set",
+        "num_threads=1",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--openai-port",
+        "0",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out = read_until(proc, "Ctrl-C to stop", timeout=600)

@@ -24,8 +24,9 @@ def time_to_first_token(url: str, prompt: str) -> float:
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
         t0 = time.perf_counter()
-        client.async_stream_infer("lightspec", grpc_inputs(text_input=prompt, max_tokens=8, stream=True),
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            "lightspec", grpc_inputs(text_input=prompt, max_tokens=8, stream=True), enable_empty_final_response=True
+        )
         first = None
         while True:
             result, error = results.get(timeout=120)

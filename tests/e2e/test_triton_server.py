@@ -35,8 +35,14 @@ def overrides(smoke_model) -> dict[str, str]:
     # Stage models over BLS and MTP as a stage of its own here (the default runs every stage in
     # the orchestrator's child process), so the BLS path to every stage is exercised; the
     # checked-in repository's tests cover the default.
-    return {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "64", "block_size": "16", "num_threads": "1",
-            "mtp": "lightspec_mtp", "stages": "triton"}
+    return {
+        "model_dir": str(smoke_model / "target"),
+        "num_kv_blocks": "64",
+        "block_size": "16",
+        "num_threads": "1",
+        "mtp": "lightspec_mtp",
+        "stages": "triton",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +84,23 @@ def greedy(reference: LLMEngine, prompt: str, max_tokens: int, **params) -> str:
     return reference.generate([prompt], SamplingParams(max_tokens=max_tokens, **params))[0].text
 
 
-def grpc_generate(url: str, timeout: float = 120.0, model: str = "lightspec", outputs: list[str] | None = None,
-                  **tensors):
+def grpc_generate(
+    url: str, timeout: float = 120.0, model: str = "lightspec", outputs: list[str] | None = None, **tensors
+):
     """One request over a gRPC stream: (data results, error or None). ``outputs``: the output names
     to ask for (default: none named, so all)."""
     return grpc_stream(url, model, grpc_inputs(**tensors), timeout, outputs)
 
 
-def grpc_stream(url: str, model: str, inputs: list, timeout: float = 120.0, outputs: list[str] | None = None,
-                parameters: dict | None = None, headers: dict | None = None):
+def grpc_stream(
+    url: str,
+    model: str,
+    inputs: list,
+    timeout: float = 120.0,
+    outputs: list[str] | None = None,
+    parameters: dict | None = None,
+    headers: dict | None = None,
+):
     """``grpc_generate`` for ready-made ``InferInput``s (any shapes); ``parameters``: the request's
     parameters (gRPC sends them typed, a float as a double); ``headers``: the stream's metadata."""
     client = grpcclient.InferenceServerClient(url)
@@ -95,8 +109,9 @@ def grpc_stream(url: str, model: str, inputs: list, timeout: float = 120.0, outp
     out = []
     wanted = [grpcclient.InferRequestedOutput(n) for n in outputs] if outputs else None
     try:
-        client.async_stream_infer(model, inputs, outputs=wanted, parameters=parameters,
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            model, inputs, outputs=wanted, parameters=parameters, enable_empty_final_response=True
+        )
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:
@@ -184,8 +199,9 @@ def test_non_stream_includes_the_prompt_by_default_and_counts_tokens(server, ref
 
 
 def test_a_stream_gets_only_the_outputs_it_names(server, reference):
-    results, err = grpc_generate(server.grpc_url, text_input=PROMPT, max_tokens=8, stream=True,
-                                 outputs=["output_ids", "finish_reason"])
+    results, err = grpc_generate(
+        server.grpc_url, text_input=PROMPT, max_tokens=8, stream=True, outputs=["output_ids", "finish_reason"]
+    )
     assert err is None and len(results) >= 2
     for r in results:
         assert sorted(o.name for o in r.get_response().outputs) == ["finish_reason", "output_ids"]
@@ -314,8 +330,10 @@ BAD_REQUESTS = {
     "prompt too long": (lambda: grpc_inputs(input_ids=[5] * 1100, max_tokens=1), "input_ids: 1100 tokens"),
     "token id outside vocabulary": (lambda: grpc_inputs(input_ids=[5, 10**6]), "input_ids"),
     "invalid utf-8": (lambda: grpc_inputs(text_input=b"\xff\xfe\xfd"), "text_input: invalid UTF-8"),
-    "end_id -1 with ignore_eos false": (lambda: grpc_inputs(text_input=PROMPT, end_id=-1, ignore_eos=False),
-                                        "end_id=-1"),
+    "end_id -1 with ignore_eos false": (
+        lambda: grpc_inputs(text_input=PROMPT, end_id=-1, ignore_eos=False),
+        "end_id=-1",
+    ),
 }
 
 
@@ -376,7 +394,8 @@ def test_bad_policy_in_a_config_override_fails_model_load(server):
 
 
 def test_a_draft_stage_whose_model_is_shorter_than_the_context_fails_its_load_naming_draft_dir(
-        server, smoke_model, tmp_path):
+    server, smoke_model, tmp_path
+):
     """Refused when it loads, not at the first request that reaches past the draft's positions."""
     import shutil
 
@@ -496,7 +515,9 @@ def alt_streams_match_the_engine(server, reference, prompts: list[str], max_toke
     outs = {}
 
     def run(p):
-        outs[p] = grpc_generate(server.grpc_url, model="lightspec_alt", text_input=p, max_tokens=max_tokens, stream=True)
+        outs[p] = grpc_generate(
+            server.grpc_url, model="lightspec_alt", text_input=p, max_tokens=max_tokens, stream=True
+        )
 
     threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
     for t in threads:
@@ -522,8 +543,9 @@ def test_fused_mtp_over_bls_matches_the_engine(server, reference):
     client = load_variant(server, mtp="fused", policy="static:3")
     try:
         alt_streams_match_the_engine(server, reference, [f"def h{i}(x):" for i in range(3)], 12)
-        values = wait_for(lambda: (v := metrics(server)) and metric(v, "num_requests_running", model="lightspec_alt") == 0
-                          and v)
+        values = wait_for(
+            lambda: (v := metrics(server)) and metric(v, "num_requests_running", model="lightspec_alt") == 0 and v
+        )
         drafts = metric(values, "spec_decode_num_draft_tokens_total", model="lightspec_alt")
         assert drafts > 0 and metric(values, "spec_decode_num_fused_drafts_total", model="lightspec_alt") == drafts
     finally:

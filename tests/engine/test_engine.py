@@ -97,12 +97,11 @@ def test_the_draft_models_catch_up_reaches_the_cost_model(exactness_setup, monke
         eng.proposer.chains = chains
         seen = []
         monkeypatch.setattr(eng.cost, "observe_propose", lambda d, depth, s, fed=0: seen.append((d, depth, fed)))
-        prompt_ids = [eng._checked_prompt(p, params) for p in prompts[:2]]
         outs = eng.generate(prompts[:2], params)
     finally:
         eng.close()
     assert [o.output_token_ids for o in outs] == ref[:2]
-    assert seen[0] == (6, 3, sum(len(ids) for ids in prompt_ids))  # the prompt and its prefill's token, less one
+    assert seen[0] == (6, 3, sum(len(o.prompt_token_ids) for o in outs))  # the prompt and its prefill's token, less one
     later = [fed for _, _, fed in seen[1:]]
     assert len(later) > 10 and max(later) <= 2 * 2 and sum(later) > 0
 
@@ -207,8 +206,13 @@ def test_stop_string_truncates_inside_an_accepted_block(default_model):
     full = free[0].text
     stop = full[12:15]
     assert stop and stop in full
-    outs, _ = run(default_model, [prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]),
-                  speculation="ngram", policy="static:4")
+    outs, _ = run(
+        default_model,
+        [prompt],
+        SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]),
+        speculation="ngram",
+        policy="static:4",
+    )
     o = outs[0]
     assert o.finish_reason == "stop"
     assert o.text == full[: full.index(stop)]
@@ -238,8 +242,9 @@ def test_end_id_stops_generation(smoke_model):
     free, _ = run(smoke_model, ["def f(x):"], SamplingParams(max_tokens=20, ignore_eos=True), speculation="none")
     ids = free[0].output_token_ids
     end = ids[5]
-    outs, _ = run(smoke_model, ["def f(x):"], SamplingParams(max_tokens=20, ignore_eos=True, end_id=end),
-                  speculation="mtp")
+    outs, _ = run(
+        smoke_model, ["def f(x):"], SamplingParams(max_tokens=20, ignore_eos=True, end_id=end), speculation="mtp"
+    )
     assert outs[0].finish_reason == "stop"
     assert outs[0].output_token_ids == ids[: ids.index(end) + 1]
 
@@ -261,19 +266,30 @@ def test_max_tokens_none_generates_to_the_end_of_the_context(smoke_model, specul
         assert len(out.prompt_token_ids) + len(out.output_token_ids) == 48
 
 
-@pytest.mark.parametrize(("depth", "caching", "blocks", "block_size", "budget", "length"),
-                         [(1, False, 16, 16, 100, 160), (2, False, 16, 16, 100, 160), (2, True, 8, 4, 3, 20)])
-def test_two_prompts_that_fit_the_pool_only_one_at_a_time_both_finish(default_model, depth, caching, blocks,
-                                                                     block_size, budget, length):
+@pytest.mark.parametrize(
+    ("depth", "caching", "blocks", "block_size", "budget", "length"),
+    [(1, False, 16, 16, 100, 160), (2, False, 16, 16, 100, 160), (2, True, 8, 4, 3, 20)],
+)
+def test_two_prompts_that_fit_the_pool_only_one_at_a_time_both_finish(
+    default_model, depth, caching, blocks, block_size, budget, length
+):
     """Chunked prefills that each fit the pool but not together. At depth 2 the request in flight
     could not be preempted, so the other preempted itself, was admitted again in the same step,
     took the blocks back, and the two took turns for ever."""
     prompts = [[1, *range(10, 10 + length)], [1, *range(2000, 2000 + length)]]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want, _ = run(default_model, prompts, params, speculation="none")
-    eng = LLMEngine(EngineConfig(model_dir=str(default_model / "target"), speculation="none", num_kv_blocks=blocks,
-                                 block_size=block_size, max_num_batched_tokens=budget, pipeline_depth=depth,
-                                 enable_prefix_caching=caching))
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(default_model / "target"),
+            speculation="none",
+            num_kv_blocks=blocks,
+            block_size=block_size,
+            max_num_batched_tokens=budget,
+            pipeline_depth=depth,
+            enable_prefix_caching=caching,
+        )
+    )
     try:
         for rid, prompt in zip("ab", prompts):
             eng.add_request(rid, prompt, params)
@@ -342,9 +358,13 @@ def test_bad_requests_are_rejected_with_the_field_named(smoke_model):
         eng.add_request("b", "")
     with pytest.raises(ValueError, match="max_tokens"):
         eng.add_request("c", "x = 1", SamplingParams(max_tokens=64))
-    for field, kw in [("max_tokens", {"max_tokens": 0}), ("temperature", {"temperature": -1.0}),
-                      ("temperature", {"temperature": float("inf")}),
-                      ("top_p", {"top_p": 0.0}), ("top_p", {"top_p": 1.5})]:
+    for field, kw in [
+        ("max_tokens", {"max_tokens": 0}),
+        ("temperature", {"temperature": -1.0}),
+        ("temperature", {"temperature": float("inf")}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.5}),
+    ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="speculation"):
@@ -442,12 +462,18 @@ def test_stage_failure_fails_the_micro_batch_and_engine_keeps_serving(smoke_mode
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("stage", ["mtp", "draft"])
-def test_a_failed_proposer_stage_fails_its_micro_batch_only_and_the_queue_is_served_exactly(smoke_model, stage,
-                                                                                               depth):
+def test_a_failed_proposer_stage_fails_its_micro_batch_only_and_the_queue_is_served_exactly(smoke_model, stage, depth):
     """As a failed target call: the requests of the step whose drafting failed end with the stage's
     error; the requests waiting behind it are served, token for token as without the failure."""
-    cfg = EngineConfig(model_dir=str(smoke_model / "target"), speculation=stage, mtp="local", policy="static:3",
-                       max_num_seqs=1, pipeline_depth=depth, profile_stages=False)  # local: the mtp stage is called
+    cfg = EngineConfig(
+        model_dir=str(smoke_model / "target"),
+        speculation=stage,
+        mtp="local",
+        policy="static:3",
+        max_num_seqs=1,
+        pipeline_depth=depth,
+        profile_stages=False,
+    )  # local: the mtp stage is called
     prompts, params = ["x = 1", "def f(a):", "import os\n"], SamplingParams(max_tokens=8, ignore_eos=True)
     want = LLMEngine(cfg).generate(prompts, params)
     flaky = FlakyExecutor(build_local_executor(cfg), stage)
@@ -466,8 +492,12 @@ def test_dynamic_engine_profiles_its_stages_while_it_loads(smoke_model):
     eng = LLMEngine(cfg)
     assert eng.cost.calibrated and not eng.profile_pending and eng.cost.verify.sizes.tolist() == [1, 2, 4, 8]
     out = eng.generate(["x = 1"], SamplingParams(max_tokens=8))[0]
-    assert out.output_token_ids == LLMEngine(EngineConfig(model_dir=cfg.model_dir, speculation="none")).generate(
-        ["x = 1"], SamplingParams(max_tokens=8))[0].output_token_ids
+    assert (
+        out.output_token_ids
+        == LLMEngine(EngineConfig(model_dir=cfg.model_dir, speculation="none"))
+        .generate(["x = 1"], SamplingParams(max_tokens=8))[0]
+        .output_token_ids
+    )
 
 
 def test_an_engine_told_to_profile_later_profiles_before_its_first_step(smoke_model):
@@ -486,7 +516,10 @@ def test_dynamic_engine_publishes_what_its_policy_believes_a_step_costs(smoke_mo
     eng.generate(["x = 1", "y = 2"], SamplingParams(max_tokens=8))
     snap = eng.stats.snapshot()
     # the last step ran with no request left running: the price is quoted at a batch of one
-    assert snap["policy_draft_cost_seconds"] == pytest.approx(eng.cost.per_slot(1)) and snap["policy_draft_cost_seconds"] > 0
+    assert (
+        snap["policy_draft_cost_seconds"] == pytest.approx(eng.cost.per_slot(1))
+        and snap["policy_draft_cost_seconds"] > 0
+    )
     assert snap["policy_step_excess_seconds"] == eng.cost.verify_extra != 0.0  # measured, not the initial 0
     assert snap["policy_step_overhead_seconds"] == eng.cost.overhead
     static = LLMEngine(EngineConfig(model_dir=cfg.model_dir, speculation="mtp", policy="static:2"))
@@ -509,8 +542,15 @@ def test_confidence_stop_shortens_chains_and_stays_lossless(exactness_setup, fus
     is verified, and greedy output is still exactly plain greedy decoding. (The policy's floors
     depend on measured stage times; a fixed floor of 0.5 makes the stops certain here.)"""
     root, prompts, params, ref = exactness_setup
-    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="dynamic",
-                                 confidence_stop=True, mtp="fused" if fused else "local"))
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(root / "target"),
+            speculation="mtp",
+            policy="dynamic",
+            confidence_stop=True,
+            mtp="fused" if fused else "local",
+        )
+    )
     policy, choose = eng.scheduler.policy, eng.scheduler.policy.choose
     assert policy.floors  # the policy computes floors for this engine's stop
 
@@ -563,8 +603,16 @@ def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_
     the ``mtp`` stage, and their outputs are those of the unfused engine (same draws)."""
     root, prompts, params, ref = exactness_setup
     kw = {"num_kv_blocks": 40, "block_size": 8} if tiny_pool else {}
-    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation="mtp", policy="static:3",
-                                 pipeline_depth=depth, mtp="fused", **kw))
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(root / "target"),
+            speculation="mtp",
+            policy="static:3",
+            pipeline_depth=depth,
+            mtp="fused",
+            **kw,
+        )
+    )
     calls = []
     submit = eng.executor.submit
     eng.executor.submit = lambda stage, call: (calls.append(stage) if stage == "mtp" else None) or submit(stage, call)
@@ -576,14 +624,16 @@ def test_fused_mtp_is_lossless_and_greedy_requests_skip_the_mtp_stage(exactness_
         assert drafts > 0 and eng.stats.counters["spec_decode_num_fused_drafts_total"] == drafts
         if tiny_pool:
             assert eng.scheduler.num_preemptions > 0, "the tiny pool was meant to force preemption"
-        mixed = [SamplingParams(max_tokens=24, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
-                 for i in range(4)]
+        mixed = [
+            SamplingParams(max_tokens=24, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True) for i in range(4)
+        ]
         fused_out = eng.generate(prompts[:4], mixed)
         assert calls, "sampled requests draft on the mtp stage"
     finally:
         eng.close()
-    plain, _ = run(root, prompts[:4], mixed, speculation="mtp", policy="static:3", pipeline_depth=depth, mtp="local",
-                   **kw)
+    plain, _ = run(
+        root, prompts[:4], mixed, speculation="mtp", policy="static:3", pipeline_depth=depth, mtp="local", **kw
+    )
     assert [o.output_token_ids for o in fused_out] == [o.output_token_ids for o in plain]
 
 
@@ -650,8 +700,11 @@ def test_target_latency_is_when_the_stage_answered_not_when_the_engine_noticed(s
     out = eng.generate(["x = 1"], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     eng.close()
     assert len(out.output_token_ids) == 3
-    seen = [v for name, v, labels in eng.stats.drain_observations()
-            if name == "stage_latency_seconds" and labels == {"stage": "target"}]
+    seen = [
+        v
+        for name, v, labels in eng.stats.drain_observations()
+        if name == "stage_latency_seconds" and labels == {"stage": "target"}
+    ]
     assert len(seen) == len(late.durations) == 3
     for latency, own in zip(seen, late.durations):  # each answer reached the engine 200 ms after its stamp
         assert own <= latency < own + 0.1

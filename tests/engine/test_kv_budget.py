@@ -15,8 +15,16 @@ from lightspec_core.models.llama import LlamaConfig
 from tests.models.factories import CASES, save_hf_checkpoint
 
 
-@pytest.mark.parametrize(("text", "want"), [("2GiB", (2**31, None)), ("512MB", (512 * 10**6, None)),
-                                             ("1073741824", (2**30, None)), ("0.5", (None, 0.5)), ("1.5k", (1500, None))])
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("2GiB", (2**31, None)),
+        ("512MB", (512 * 10**6, None)),
+        ("1073741824", (2**30, None)),
+        ("0.5", (None, 0.5)),
+        ("1.5k", (1500, None)),
+    ],
+)
 def test_memory_sizes_parse_as_bytes_or_a_fraction(text, want):
     assert parse_memory(text) == want
 
@@ -31,8 +39,7 @@ def test_a_byte_budget_sets_the_block_count_and_the_engine_serves_with_it(smoke_
     target = smoke_model / "target"
     model = LlamaConfig.from_dir(target)
     per_block = kv_budget.block_bytes(EngineConfig(), model)
-    cfg = EngineConfig(model_dir=str(target), kv_cache_memory=str(40 * per_block + per_block // 2),
-                       speculation="none")
+    cfg = EngineConfig(model_dir=str(target), kv_cache_memory=str(40 * per_block + per_block // 2), speculation="none")
     assert kv_budget.with_kv_budget(cfg, model, target).num_kv_blocks == 40
     eng = LLMEngine(cfg)
     try:
@@ -52,8 +59,9 @@ def test_budgets_that_cannot_work_fail_naming_the_parameter(smoke_model, monkeyp
     monkeypatch.setattr(kv_budget, "available_memory", lambda device: 1 << 20)  # a 1 MiB machine
     with pytest.raises(ValueError, match=r"num_kv_blocks=1024: the model .* need more than the 0.00 GiB available"):
         kv_budget.with_kv_budget(EngineConfig(), model, target)
-    fraction = kv_budget.with_kv_budget(EngineConfig(kv_cache_memory="0.9", speculation="none"), model, target,
-                                        check_fit=False)
+    fraction = kv_budget.with_kv_budget(
+        EngineConfig(kv_cache_memory="0.9", speculation="none"), model, target, check_fit=False
+    )
     weights = kv_budget.weights_bytes(target, "float32")
     assert fraction.num_kv_blocks == int(0.9 * ((1 << 20) - weights)) // kv_budget.block_bytes(fraction, model)
 
@@ -72,20 +80,26 @@ def test_the_weights_are_the_files_the_checkpoint_loads_and_no_others(tmp_path, 
 def test_a_draft_models_pool_and_weights_come_out_of_the_budget(tmp_path, monkeypatch):
     """The draft model's runner has a pool of as many blocks as the target's, of its own geometry."""
     target = save_hf_checkpoint(tmp_path / "target", "llama", {})
-    draft = save_hf_checkpoint(tmp_path / "draft", "llama", {"num_hidden_layers": 1, "num_key_value_heads": 1,
-                                                             "hidden_size": 32, "num_attention_heads": 2})
+    draft = save_hf_checkpoint(
+        tmp_path / "draft",
+        "llama",
+        {"num_hidden_layers": 1, "num_key_value_heads": 1, "hidden_size": 32, "num_attention_heads": 2},
+    )
     model, draft_model = LlamaConfig.from_dir(target), LlamaConfig.from_dir(draft)
     monkeypatch.setattr(kv_budget, "available_memory", lambda device: 64 << 20)
     alone = EngineConfig(model_dir=str(target), kv_cache_memory="0.5", speculation="none")
     both = EngineConfig(model_dir=str(target), draft_dir=str(draft), kv_cache_memory="0.5", speculation="draft")
     w_target, w_draft = kv_budget.weights_bytes(target, "float32"), kv_budget.weights_bytes(draft, "float32")
     b_target, b_draft = kv_budget.block_bytes(alone, model), kv_budget.block_bytes(both, draft_model)
-    assert kv_budget.with_kv_budget(alone, model, target).num_kv_blocks == int(0.5 * ((64 << 20) - w_target)) // b_target
+    assert (
+        kv_budget.with_kv_budget(alone, model, target).num_kv_blocks == int(0.5 * ((64 << 20) - w_target)) // b_target
+    )
     with_draft = kv_budget.with_kv_budget(both, model, target).num_kv_blocks
     assert with_draft == int(0.5 * ((64 << 20) - w_target - w_draft)) // (b_target + b_draft)
     assert 0 < with_draft < kv_budget.with_kv_budget(alone, model, target).num_kv_blocks
-    bytes_budget = EngineConfig(draft_dir=str(draft), kv_cache_memory=str(10 * (b_target + b_draft)),
-                                speculation="draft")
+    bytes_budget = EngineConfig(
+        draft_dir=str(draft), kv_cache_memory=str(10 * (b_target + b_draft)), speculation="draft"
+    )
     assert kv_budget.with_kv_budget(bytes_budget, model, target, check_fit=False).num_kv_blocks == 10
 
 
@@ -133,9 +147,14 @@ def test_mtp_heads_come_out_of_the_budget(default_model, monkeypatch):
     weights = kv_budget.weights_bytes(default_model, "float32")
     heads = kv_budget.mtp_bytes(model, default_model.parent / "mtp")
     per_block = kv_budget.block_bytes(none, model)
-    assert kv_budget.with_kv_budget(none, model, default_model).num_kv_blocks == int(0.5 * ((256 << 20) - weights)) // per_block
-    assert kv_budget.with_kv_budget(mtp, model, default_model).num_kv_blocks == int(
-        0.5 * ((256 << 20) - weights - heads)) // per_block
+    assert (
+        kv_budget.with_kv_budget(none, model, default_model).num_kv_blocks
+        == int(0.5 * ((256 << 20) - weights)) // per_block
+    )
+    assert (
+        kv_budget.with_kv_budget(mtp, model, default_model).num_kv_blocks
+        == int(0.5 * ((256 << 20) - weights - heads)) // per_block
+    )
     monkeypatch.setattr(kv_budget, "available_memory", lambda device: weights + heads)
     with pytest.raises(ValueError, match=r"num_kv_blocks=1024: the model and its MTP heads \("):
         kv_budget.with_kv_budget(EngineConfig(model_dir=str(default_model), speculation="mtp"), model, default_model)

@@ -72,8 +72,14 @@ def nan_logits(head):
 def serve(root, method: str, victim_params: SamplingParams, value=None):
     """(victim's output, the others' outputs, stats) of one batch; with ``value``, the target's
     logits that predict the victim's output token ``AT`` are poisoned with it."""
-    eng = LLMEngine(EngineConfig(model_dir=str(root / "target"), speculation=method,
-                                 policy="off" if method == "none" else "static:3", profile_stages=False))
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(root / "target"),
+            speculation=method,
+            policy="off" if method == "none" else "static:3",
+            profile_stages=False,
+        )
+    )
     try:
         victim = eng.tok.encode(VICTIM)
         assert len(victim) > max(len(eng.tok.encode(p)) for p in OTHERS) + MAX_TOKENS + 3
@@ -89,8 +95,9 @@ def serve(root, method: str, victim_params: SamplingParams, value=None):
 
 @pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft"])
 @pytest.mark.parametrize("victim_params", [GREEDY, GREEDY_LOGITS, SAMPLED], ids=["greedy", "greedy-logits", "sampled"])
-def test_a_request_whose_target_logits_are_nan_fails_there_and_the_others_are_served_exactly(default_model, method,
-                                                                                            victim_params):
+def test_a_request_whose_target_logits_are_nan_fails_there_and_the_others_are_served_exactly(
+    default_model, method, victim_params
+):
     clean, clean_others, _ = serve(default_model, method, victim_params)
     out, others, stats = serve(default_model, method, victim_params, one_nan)
     assert (out.finish_reason, out.error) == ("error", ERROR)
@@ -102,11 +109,15 @@ def test_a_request_whose_target_logits_are_nan_fails_there_and_the_others_are_se
         assert sum(o.num_draft_tokens for o in [out, *others]) > 0, "no draft proposed: the test proves nothing"
 
 
-@pytest.mark.parametrize(("value", "fails"), [(one_inf, True), (all_minus_inf, True), (all_but_the_max_minus_inf, False)],
-                         ids=["+inf", "no-finite-logit", "masked"])
+@pytest.mark.parametrize(
+    ("value", "fails"),
+    [(one_inf, True), (all_minus_inf, True), (all_but_the_max_minus_inf, False)],
+    ids=["+inf", "no-finite-logit", "masked"],
+)
 @pytest.mark.parametrize("params", [GREEDY, GREEDY_LOGITS], ids=["top1", "logits"])
-def test_inf_or_no_finite_logit_fails_the_request_but_minus_inf_beside_a_finite_logit_does_not(default_model, value,
-                                                                                                 fails, params):
+def test_inf_or_no_finite_logit_fails_the_request_but_minus_inf_beside_a_finite_logit_does_not(
+    default_model, value, fails, params
+):
     clean, clean_others, _ = serve(default_model, "ngram", params)
     out, others, _ = serve(default_model, "ngram", params, value)
     if fails:
@@ -123,8 +134,15 @@ def test_proposer_logits_that_are_not_finite_only_cost_the_drafts(default_model,
     """All of the proposer's logits NaN: its greedy drafts are some token, its sampled proposals
     NaN; verification rejects what the target disagrees with and draws from the target alone, so a
     top-k 1 sampled request (the target's argmax) emits the greedy tokens."""
-    eng = LLMEngine(EngineConfig(model_dir=str(default_model / "target"), speculation=method, policy=policy,
-                                 mtp="local", profile_stages=False))  # local: every request drafts on the mtp stage
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(default_model / "target"),
+            speculation=method,
+            policy=policy,
+            mtp="local",
+            profile_stages=False,
+        )
+    )  # local: every request drafts on the mtp stage
     try:
         prompts = [eng.tok.encode(p) for p in [VICTIM, *OTHERS]]
         want = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
@@ -169,5 +187,5 @@ def test_nan_head_confidences_fall_in_the_lowest_bucket_of_the_confidence_stop(d
         temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32), top_p=np.ones(batch, np.float32),
         uniforms=np.zeros((batch, k), np.float32), return_probs=np.array([False]),
         min_gain=np.full(batch, 0.3, np.float32), calibration=np.full((2, k, 10), 0.5, np.float32)))  # fmt: skip
-    assert ((out.draft_ids[:, :1] >= 0).all() and (out.draft_ids[:, 1:] == -1).all()), out.draft_ids
+    assert (out.draft_ids[:, :1] >= 0).all() and (out.draft_ids[:, 1:] == -1).all(), out.draft_ids
     assert ConfidenceStats(k).bucket(math.nan) == 0 and ConfidenceStats(k).bucket(math.inf) == 9

@@ -32,8 +32,16 @@ def test_ngram_speculation_on_another_family_equals_plain_greedy(tmp_path, defau
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     outs = {}
     for spec in ("none", "ngram"):
-        eng = LLMEngine(EngineConfig(model_dir=str(path), speculation=spec, policy="static:3", num_kv_blocks=32,
-                                     block_size=8, profile_stages=False))
+        eng = LLMEngine(
+            EngineConfig(
+                model_dir=str(path),
+                speculation=spec,
+                policy="static:3",
+                num_kv_blocks=32,
+                block_size=8,
+                profile_stages=False,
+            )
+        )
         try:
             outs[spec] = [o.output_token_ids for o in eng.generate(PROMPTS, params)]
         finally:
@@ -69,14 +77,34 @@ def test_heads_trained_for_another_family_speculate_losslessly(tmp_path, default
     for src in stdlib_files()[0][:4]:
         (data / src.name).write_text(src.read_text(encoding="utf-8", errors="replace"))
     heads = tmp_path / "heads"
-    argv = ["--model", str(path), "--data", str(data), "--out", str(heads), "--steps", "3", "--seq", "32", "--batch",
-            "4", "--continuations", "4", "--eval-windows", "4", "--quiet"]
+    argv = [
+        "--model",
+        str(path),
+        "--data",
+        str(data),
+        "--out",
+        str(heads),
+        "--steps",
+        "3",
+        "--seq",
+        "32",
+        "--batch",
+        "4",
+        "--continuations",
+        "4",
+        "--eval-windows",
+        "4",
+        "--quiet",
+    ]
     assert train_heads(argv) == 0
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     outs = {}
     for spec, policy in (("none", "off"), ("mtp", "static:4")):
-        eng = LLMEngine(EngineConfig(model_dir=str(path), mtp_dir=str(heads), speculation=spec, policy=policy,
-                                     num_kv_blocks=32, block_size=8))
+        eng = LLMEngine(
+            EngineConfig(
+                model_dir=str(path), mtp_dir=str(heads), speculation=spec, policy=policy, num_kv_blocks=32, block_size=8
+            )
+        )
         try:
             res = eng.generate(PROMPTS, params)
         finally:
@@ -91,11 +119,22 @@ def test_a_draft_model_with_another_vocabulary_is_refused_naming_draft_dir(tmp_p
     model_type, overrides, how = CASES["llama-linear"]
     draft = save_hf_checkpoint(tmp_path / "draft", model_type, overrides, **how)  # 256 ids, not 4096
     with pytest.raises(ValueError, match=r"draft_dir=.*the draft model's vocabulary differs from the target's"):
-        LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(draft), speculation="draft", num_kv_blocks=32,
-                               block_size=8))
+        LLMEngine(
+            EngineConfig(
+                model_dir=str(target), draft_dir=str(draft), speculation="draft", num_kv_blocks=32, block_size=8
+            )
+        )
     same = own_model(tmp_path / "same", default_model, "llama-linear")  # the target's tokenizer: accepted
-    eng = LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(same), speculation="draft", policy="static:2",
-                                 num_kv_blocks=32, block_size=8))
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(target),
+            draft_dir=str(same),
+            speculation="draft",
+            policy="static:2",
+            num_kv_blocks=32,
+            block_size=8,
+        )
+    )
     eng.close()
 
 
@@ -109,8 +148,16 @@ def test_a_draft_with_fewer_padding_rows_than_the_target_speculates_losslessly(t
     sampled = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=s) for s in range(4)]
     outs = {}
     for spec in ("none", "draft"):
-        eng = LLMEngine(EngineConfig(model_dir=str(target), draft_dir=str(draft), speculation=spec,
-                                     policy="static:2", num_kv_blocks=64, block_size=8))
+        eng = LLMEngine(
+            EngineConfig(
+                model_dir=str(target),
+                draft_dir=str(draft),
+                speculation=spec,
+                policy="static:2",
+                num_kv_blocks=64,
+                block_size=8,
+            )
+        )
         try:
             outs[spec] = [o.output_token_ids for o in eng.generate(PROMPTS, greedy)]
             done = eng.generate([PROMPTS[0]] * 4, sampled)
@@ -121,8 +168,11 @@ def test_a_draft_with_fewer_padding_rows_than_the_target_speculates_losslessly(t
             eng.close()
     assert outs["draft"] == outs["none"]
     with pytest.raises(ValueError, match=r"draft_dir=.*with the same tokenizer a draft may have fewer padding rows"):
-        LLMEngine(EngineConfig(model_dir=str(draft), draft_dir=str(target), speculation="draft", num_kv_blocks=32,
-                               block_size=8))
+        LLMEngine(
+            EngineConfig(
+                model_dir=str(draft), draft_dir=str(target), speculation="draft", num_kv_blocks=32, block_size=8
+            )
+        )
 
 
 def test_a_sampled_id_past_the_tokenizer_adds_no_text_and_the_step_goes_on(tmp_path, default_model):
@@ -150,11 +200,18 @@ def test_a_sampled_id_past_the_tokenizer_adds_no_text_and_the_step_goes_on(tmp_p
 def test_a_draft_model_shorter_than_the_served_context_is_refused_naming_draft_dir(tmp_path, default_model):
     target = own_model(tmp_path, default_model, "llama-linear")  # 64 positions
     model_type, overrides, how = CASES["llama-linear"]
-    draft = save_hf_checkpoint(tmp_path / "draft", model_type, {**overrides, "vocab_size": 4096,
-                                                                "max_position_embeddings": 32}, **how)
+    draft = save_hf_checkpoint(
+        tmp_path / "draft", model_type, {**overrides, "vocab_size": 4096, "max_position_embeddings": 32}, **how
+    )
     shutil.copy(default_model / "target" / "tokenizer.json", draft / "tokenizer.json")
-    cfg = EngineConfig(model_dir=str(target), draft_dir=str(draft), speculation="draft", policy="static:2",
-                       num_kv_blocks=32, block_size=8)
+    cfg = EngineConfig(
+        model_dir=str(target),
+        draft_dir=str(draft),
+        speculation="draft",
+        policy="static:2",
+        num_kv_blocks=32,
+        block_size=8,
+    )
     with pytest.raises(ValueError, match=r"draft_dir=.*max_position_embeddings=32 .* 64 tokens .* max_model_len"):
         LLMEngine(cfg)
     eng = LLMEngine(dataclasses.replace(cfg, max_model_len=32))  # served within the draft's positions
@@ -176,8 +233,9 @@ def bos_model(tmp_path, default_model):
         processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[bos]),
     ])  # fmt: skip
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"})
+    )
     return path
 
 

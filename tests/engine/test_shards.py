@@ -97,8 +97,12 @@ def test_merged_statistics_sum_counts_average_ratios_and_recompute_the_acceptanc
     assert m["kv_cache_usage_ratio"] == pytest.approx(0.4)
     assert m["mean_acceptance_length"] == pytest.approx(1 + 7 / 5)
     # each engine's policy prices a draft token for its own batch: two engines' prices are not a sum
-    prices = merge_snapshots([{"policy_draft_cost_seconds": 0.002, "policy_step_overhead_seconds": 0.001},
-                              {"policy_draft_cost_seconds": 0.004, "policy_step_overhead_seconds": 0.003}])
+    prices = merge_snapshots(
+        [
+            {"policy_draft_cost_seconds": 0.002, "policy_step_overhead_seconds": 0.001},
+            {"policy_draft_cost_seconds": 0.004, "policy_step_overhead_seconds": 0.003},
+        ]
+    )
     assert prices == pytest.approx({"policy_draft_cost_seconds": 0.003, "policy_step_overhead_seconds": 0.002})
 
 

@@ -13,8 +13,7 @@ from lightspec_core.engine.text import sendable_chars, truncate_at_stop
 
 def held_back_by_brute_force(text: str, stops: list[str]) -> int:
     """The longest n < len(s) with text ending in s[:n], over every stop string s."""
-    return max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
-               default=0)
+    return max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])), default=0)
 
 
 def seq_with(text: str, stops: list[str]):

@@ -128,7 +128,9 @@ def test_top1_is_torchs_first_maximum_with_ties_nan_and_infinities(rows, vocab, 
     want = logits.max(-1).indices.numpy()
     got = cpu_linear.top1(logits)
     assert got.dtype == np.int64 and np.array_equal(got, want)
-    assert np.array_equal(cpu_linear.top1(logits[:, : max(1, vocab // 2)]), logits[:, : max(1, vocab // 2)].max(-1).indices.numpy())  # a view
+    assert np.array_equal(
+        cpu_linear.top1(logits[:, : max(1, vocab // 2)]), logits[:, : max(1, vocab // 2)].max(-1).indices.numpy()
+    )  # a view
     monkeypatch.setenv(cpu_linear.ENV_SWITCH, "off")
     assert np.array_equal(cpu_linear.top1(logits), want)
 

@@ -12,8 +12,15 @@ from lightspec_core.models.hf_config import FAMILIES, LlamaConfig
 from lightspec_core.models.llama import LlamaModel
 from tests.models.factories import CASES, save_hf_checkpoint
 
-BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+BASE = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+}
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -35,15 +42,27 @@ def _refusal(tmp_path, raw: dict, max_context: int | None = None) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                       "original_max_position_embeddings": 16}}, "config.json: rope_scaling.rope_type=longrope: "),
-    ({"hidden_act": "gelu"}, "config.json: hidden_act=gelu: not supported"),
-    ({"quantization_config": {"quant_method": "awq"}}, "config.json: quantization_config="),
-    ({"final_logit_softcapping": 30.0}, "config.json: final_logit_softcapping=30.0: not supported"),
-    ({"model_type": "gemma"}, "config.json: model_type=gemma: not supported"),
-    ({"architectures": ["LlamaForSequenceClassification"]}, "config.json: architectures="),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+            "config.json: rope_scaling.rope_type=longrope: ",
+        ),
+        ({"hidden_act": "gelu"}, "config.json: hidden_act=gelu: not supported"),
+        ({"quantization_config": {"quant_method": "awq"}}, "config.json: quantization_config="),
+        ({"final_logit_softcapping": 30.0}, "config.json: final_logit_softcapping=30.0: not supported"),
+        ({"model_type": "gemma"}, "config.json: model_type=gemma: not supported"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "config.json: architectures="),
+    ],
+)
 def test_unsupported_llama_config_fails_at_load_naming_the_field(tmp_path, extra, message):
     assert message in _refusal(tmp_path, {"model_type": "llama", **BASE, **extra})
 
@@ -77,8 +96,9 @@ def test_unknown_fields_are_refused_only_when_set(tmp_path):
 
 
 def test_missing_fields_take_the_family_defaults():
-    cfg = LlamaConfig.from_hf_dict({"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4,
-                                    "num_key_value_heads": 2})
+    cfg = LlamaConfig.from_hf_dict(
+        {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    )
     assert (cfg.head_dim, cfg.rms_norm_eps, cfg.tie_word_embeddings, cfg.rope_theta) == (128, 1e-6, False, 1e4)
     llama = LlamaConfig.from_hf_dict({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
     assert (llama.num_key_value_heads, llama.head_dim, llama.max_position_embeddings) == (4, 16, 2048)
@@ -100,23 +120,68 @@ def test_the_embedded_default_config_round_trips(default_model):
 
 
 def test_hub_configs_of_llama_3_1_and_qwen2_5_parse():
-    llama = LlamaConfig.from_hf_dict({
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096,
-        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
-        "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": {
-            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-            "rope_type": "llama3"}, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256})
+    llama = LlamaConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 128000,
+            "eos_token_id": [128001, 128008, 128009],
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 131072,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.0.dev0",
+            "use_cache": True,
+            "vocab_size": 128256,
+        }
+    )
     assert llama.eos_token_ids == (128001, 128008, 128009) and llama.rope_scaling.rope_type == "llama3"
     llama.check_context(131072)
-    qwen = LlamaConfig.from_hf_dict({
-        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-        "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
-        "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2",
-        "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064})
+    qwen = LlamaConfig.from_hf_dict(
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "hidden_act": "silu",
+            "hidden_size": 3584,
+            "initializer_range": 0.02,
+            "intermediate_size": 18944,
+            "max_position_embeddings": 32768,
+            "max_window_layers": 28,
+            "model_type": "qwen2",
+            "num_attention_heads": 28,
+            "num_hidden_layers": 28,
+            "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0,
+            "sliding_window": 131072,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.1",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 152064,
+        }
+    )
     assert qwen.qkv_bias and qwen.sliding_window is None and qwen.rope_scaling is None and qwen.head_dim == 128
     qwen.check_context(32768)

@@ -22,7 +22,9 @@ def test_a_compiler_warning_in_utf8_builds_in_an_interpreter_that_decodes_ascii(
     source = tmp_path / "k.c"
     source.write_text("int lightspec_answer(void) { return 42; }\n")
     cc = tmp_path / "cc-warns"
-    cc.write_text("#!/bin/sh\nprintf 'k.c: In function \\342\\200\\230f\\342\\200\\231: warning\\n' >&2\nexec cc \"$@\"\n")
+    cc.write_text(
+        "#!/bin/sh\nprintf 'k.c: In function \\342\\200\\230f\\342\\200\\231: warning\\n' >&2\nexec cc \"$@\"\n"
+    )
     cc.chmod(0o755)
     env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
     done = subprocess.run(

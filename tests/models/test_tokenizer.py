@@ -14,14 +14,14 @@ from lightspec_core.models.tokenizer import IncrementalDetokenizer, TokenizerInf
 def sentencepiece_style() -> Tokenizer:
     """Llama 2's pipeline: ▁ for spaces, a byte-fallback BPE, and a decoder that fuses byte tokens
     and strips the leading space."""
-    pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], "▁", *"abcdefgh", "▁a", "▁b", "ab",
-              "▁ab"]
+    pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], "▁", *"abcdefgh", "▁a", "▁b", "ab", "▁ab"]
     vocab = {p: i for i, p in enumerate(pieces)}
     merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")]
     tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     return tok
 
@@ -67,7 +67,8 @@ def test_tokenizer_config_gives_the_chat_template_and_special_tokens(tmp_path):
     b_id = tok.token_to_id("▁b")
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (tmp_path / "tokenizer_config.json").write_text(
-        f'{{"chat_template": "{template}", "added_tokens_decoder": {{"{b_id}": {{"content": "▁b", "special": true}}}}}}')
+        f'{{"chat_template": "{template}", "added_tokens_decoder": {{"{b_id}": {{"content": "▁b", "special": true}}}}}}'
+    )
     info = TokenizerInfo.from_dir(tmp_path)
     assert info.chat_template == template and b_id in info.special_ids
     assert TokenizerInfo(tok).chat_template is None

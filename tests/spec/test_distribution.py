@@ -44,8 +44,15 @@ def exact_joint(model: LlamaModel, prompt_ids: list[int], temperature: float, to
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (1.0, 5)])
 def test_speculative_sampling_matches_target_distribution(default_model, method, temperature, top_k):
     target = LlamaModel.load(default_model / "target")
-    eng = LLMEngine(EngineConfig(model_dir=str(default_model / "target"), speculation=method, policy="static:2",
-                                 max_num_seqs=128, max_num_batched_tokens=4096))
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(default_model / "target"),
+            speculation=method,
+            policy="static:2",
+            max_num_seqs=128,
+            max_num_batched_tokens=4096,
+        )
+    )
     prompt_ids = eng.tok.encode(PROMPT)
     n = 3000
     # Greedy requests share the batches (every 10th request): only the sampled rows' logits come

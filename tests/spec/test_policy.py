@@ -117,11 +117,15 @@ def test_allocation_is_the_exact_optimum_including_the_proposers_depth_cost():
     rng = np.random.default_rng(0)
     for trial in range(60):
         b, big_k = int(rng.integers(1, 4)), 3
-        cost = CostModel(verify=(rng.uniform(1e-3, 5e-3), rng.uniform(1e-5, 5e-4), rng.uniform(0, 3e-6)),
-                         propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 2e-4), rng.uniform(0, 1e-3)))
+        cost = CostModel(
+            verify=(rng.uniform(1e-3, 5e-3), rng.uniform(1e-5, 5e-4), rng.uniform(0, 3e-6)),
+            propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 2e-4), rng.uniform(0, 1e-3)),
+        )
         pol = DynamicPolicy(cost, probe_every=0)
-        reqs = [PolicyInput(int(rng.integers(0, big_k + 1)), sorted(rng.uniform(0.05, 1.0, big_k), reverse=True))
-                for _ in range(b)]
+        reqs = [
+            PolicyInput(int(rng.integers(0, big_k + 1)), sorted(rng.uniform(0.05, 1.0, big_k), reverse=True))
+            for _ in range(b)
+        ]
         context = int(rng.integers(0, 20000))
 
         def goodput(ks, reqs=reqs, cost=cost, b=b, context=context):
@@ -239,8 +243,12 @@ def test_fused_heads_run_one_draft_beyond_the_policys_choice():
     from lightspec_core.engine.sequence import Sequence
     from lightspec_core.spec.mtp import MTPProposer
 
-    seqs = [Sequence(f"r{i}", list(range(3, 43)), SamplingParams(max_tokens=mt, temperature=t), detok=None, seed=i,
-                     arrival=i) for i, (mt, t) in enumerate([(50, 0.0), (50, 0.0), (50, 0.0), (3, 0.0), (50, 0.8)])]
+    seqs = [
+        Sequence(
+            f"r{i}", list(range(3, 43)), SamplingParams(max_tokens=mt, temperature=t), detok=None, seed=i, arrival=i
+        )
+        for i, (mt, t) in enumerate([(50, 0.0), (50, 0.0), (50, 0.0), (3, 0.0), (50, 0.8)])
+    ]
     for s in seqs:
         s.num_computed = len(s.token_ids) - 1  # decoding
     fused = MTPProposer(executor=None, max_k=4, fused=True)
@@ -280,8 +288,9 @@ def test_a_lone_request_drafts_less_than_each_request_of_a_full_batch():
     but 0.1 ms at batch 64 against a 40 ms step: the same acceptance earns fewer drafts alone."""
     pol = DynamicPolicy(_calibrated(), probe_every=0)
     alone = pol.choose([PolicyInput(4, [0.7] * 4)], base_tokens=1, token_budget=1024, context=300, requests=1).ks
-    full = pol.choose([PolicyInput(4, [0.7] * 4)] * 64, base_tokens=64, token_budget=1024, context=64 * 300,
-                      requests=64).ks
+    full = pol.choose(
+        [PolicyInput(4, [0.7] * 4)] * 64, base_tokens=64, token_budget=1024, context=64 * 300, requests=64
+    ).ks
     assert 1 <= alone[0] < 4
     assert min(full) > alone[0]
 
@@ -344,15 +353,25 @@ def test_numpy_and_plain_python_allocations_agree():
     rng = np.random.default_rng(4)
     for trial in range(30):
         b = int(rng.integers(17, 80))
-        cost = CostModel(verify=(rng.uniform(1e-3, 2e-2), rng.uniform(1e-5, 5e-4), 1e-6),
-                         propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 1e-4), rng.uniform(0, 1e-3)))
+        cost = CostModel(
+            verify=(rng.uniform(1e-3, 2e-2), rng.uniform(1e-5, 5e-4), 1e-6),
+            propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 1e-4), rng.uniform(0, 1e-3)),
+        )
         pol = DynamicPolicy(cost, probe_every=0)
         reqs = [PolicyInput(int(rng.integers(0, 5)), rng.uniform(0.05, 1.0, 4).round(2).tolist()) for _ in range(b)]
         budget = b + int(rng.integers(0, 4 * b))
         vec = pol.choose(reqs, base_tokens=b, token_budget=budget, context=b * 300).ks
         t0 = cost.step_seconds(b, 0, b * 300)
-        small = _allocate_lists([r.alphas for r in reqs], [r.limit for r in reqs], budget - b, [cost.per_slot(b)] * b, float(b), t0,
-                                    t0 + cost.propose_fixed, cost.per_depth)[0]
+        small = _allocate_lists(
+            [r.alphas for r in reqs],
+            [r.limit for r in reqs],
+            budget - b,
+            [cost.per_slot(b)] * b,
+            float(b),
+            t0,
+            t0 + cost.propose_fixed,
+            cost.per_depth,
+        )[0]
         assert vec == small, trial
 
 
@@ -375,26 +394,43 @@ def test_sampled_requests_allocation_is_the_exact_optimum_with_their_logits_cost
     rng = np.random.default_rng(7)
     for trial in range(60):
         b, big_k = int(rng.integers(1, 5)), 3
-        cost = CostModel(verify=(rng.uniform(1e-3, 5e-3), rng.uniform(1e-5, 5e-4), rng.uniform(0, 3e-6)),
-                         propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 2e-4), rng.uniform(0, 1e-3)))
+        cost = CostModel(
+            verify=(rng.uniform(1e-3, 5e-3), rng.uniform(1e-5, 5e-4), rng.uniform(0, 3e-6)),
+            propose=(rng.uniform(0, 2e-3), rng.uniform(1e-6, 2e-4), rng.uniform(0, 1e-3)),
+        )
         cost.verify.per_logits_row = rng.uniform(0, 1e-3)
         pol = DynamicPolicy(cost, probe_every=0)
-        reqs = [PolicyInput(int(rng.integers(0, big_k + 1)), sorted(rng.uniform(0.05, 1.0, big_k), reverse=True),
-                            bool(rng.integers(0, 2))) for _ in range(b)]
+        reqs = [
+            PolicyInput(
+                int(rng.integers(0, big_k + 1)),
+                sorted(rng.uniform(0.05, 1.0, big_k), reverse=True),
+                bool(rng.integers(0, 2)),
+            )
+            for _ in range(b)
+        ]
         context = int(rng.integers(0, 20000))
 
         def goodput(ks, reqs=reqs, cost=cost, b=b, context=context):
             sampled = sum(k for k, r in zip(ks, reqs) if r.sampled)
-            return _expected(reqs, ks) / (cost.step_seconds(b, sum(ks), context, max(ks))
-                                          + cost.sampled_extra * sampled)
+            return _expected(reqs, ks) / (
+                cost.step_seconds(b, sum(ks), context, max(ks)) + cost.sampled_extra * sampled
+            )
 
         ks = pol.choose(reqs, base_tokens=b, token_budget=10 * b, context=context).ks
         best = max(goodput(list(alt)) for alt in itertools.product(*[range(r.limit + 1) for r in reqs]))
         assert goodput(ks) >= best * (1 - 1e-12), (trial, ks)
         t0 = cost.step_seconds(b, 0, context)
         costs = [cost.per_slot(b) + (cost.sampled_extra if r.sampled else 0.0) for r in reqs]
-        small = _allocate_lists([r.alphas for r in reqs], [r.limit for r in reqs], 9 * b, costs, float(b), t0,
-                                    t0 + cost.propose_fixed, cost.per_depth)[0]
+        small = _allocate_lists(
+            [r.alphas for r in reqs],
+            [r.limit for r in reqs],
+            9 * b,
+            costs,
+            float(b),
+            t0,
+            t0 + cost.propose_fixed,
+            cost.per_depth,
+        )[0]
         assert goodput(small) >= best * (1 - 1e-12), (trial, small)
 
 
@@ -411,7 +447,6 @@ def test_a_sampled_request_drafts_less_than_a_greedy_one_when_its_logits_rows_ar
     cost.verify.per_logits_row = 0.0  # without that cost they are treated alike
     ks = pol.choose([greedy, sampled] * 8, base_tokens=16, token_budget=512).ks
     assert ks[0::2] == ks[1::2]
-
 
 
 def test_the_scheduler_hands_the_policy_request_alphas_estimates():
@@ -433,16 +468,29 @@ def test_the_scheduler_hands_the_policy_request_alphas_estimates():
         acc.observe(4, 2)  # greedy rates move away from the prior; sampled ones stay at it
     pol = Recorder(4)
     # 47 tokens each after the first generated one: 3 blocks of 16, one spare slot in its own blocks
-    sched = Scheduler(BlockManager(16, 16), pol, acc, max_num_seqs=8, max_num_batched_tokens=256,
-                      max_draft_tokens=4, kv_high_water=0.95, speculative=True)
+    sched = Scheduler(
+        BlockManager(16, 16),
+        pol,
+        acc,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_draft_tokens=4,
+        kv_high_water=0.95,
+        speculative=True,
+    )
     # (temperature, max_tokens, num_draft_tokens): the third may emit 3 more tokens (so 2 drafts),
     # the fourth asked for 1 draft at most
     specs = [(0.0, 50, None), (0.7, 50, None), (0.0, 4, None), (0.7, 50, 1)]
     seqs = []
     for i, (temp, max_tokens, ndt) in enumerate(specs):
-        s = Sequence(f"r{i}", list(range(3, 49)), SamplingParams(max_tokens=max_tokens, temperature=temp,
-                                                                 num_draft_tokens=ndt),
-                     detok=None, seed=i, arrival=i)
+        s = Sequence(
+            f"r{i}",
+            list(range(3, 49)),
+            SamplingParams(max_tokens=max_tokens, temperature=temp, num_draft_tokens=ndt),
+            detok=None,
+            seed=i,
+            arrival=i,
+        )
         sched.add(s)
         seqs.append(s)
     for it in sched.schedule().items:  # admission: the prompts are prefilled
@@ -491,10 +539,20 @@ def test_the_scheduler_hands_the_policy_the_steps_tokens_context_and_prefill():
             return super().choose(reqs, *a, **kw)
 
     pol = Recorder(2)
-    sched = Scheduler(BlockManager(64, 16), pol, AcceptanceStats(4), max_num_seqs=8, max_num_batched_tokens=100,
-                      max_draft_tokens=4, kv_high_water=0.95, speculative=True)
-    seqs = [Sequence(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=50), detok=None, seed=i, arrival=i)
-            for i, n in enumerate([20, 30, 70])]
+    sched = Scheduler(
+        BlockManager(64, 16),
+        pol,
+        AcceptanceStats(4),
+        max_num_seqs=8,
+        max_num_batched_tokens=100,
+        max_draft_tokens=4,
+        kv_high_water=0.95,
+        speculative=True,
+    )
+    seqs = [
+        Sequence(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=50), detok=None, seed=i, arrival=i)
+        for i, n in enumerate([20, 30, 70])
+    ]
     for s in seqs:
         sched.add(s)
     first = sched.schedule()  # 20 + 30 + a 50-token chunk of the third prompt

@@ -131,7 +131,11 @@ def test_the_row_maxima_tell_the_rows_without_a_distribution_and_masking_is_no_f
     logits[2, 4] = float("inf")
     logits[3] = float("-inf")  # every token masked: nothing to sample
     logits[4, :16] = float("-inf")  # masked tokens beside finite ones: a distribution
-    args = (torch.tensor([1.0, 1.0, 1.0, 0.0, 0.7]), torch.tensor([0, 0, 5, 0, 3]), torch.tensor([1.0, 1.0, 1.0, 1.0, 0.9]))
+    args = (
+        torch.tensor([1.0, 1.0, 1.0, 0.0, 0.7]),
+        torch.tensor([0, 0, 5, 0, 3]),
+        torch.tensor([1.0, 1.0, 1.0, 1.0, 0.9]),
+    )
     probs, row_max = probs_and_max(logits, *args)
     torch.testing.assert_close(probs, probs_from_logits(logits, *args), rtol=0, atol=0, equal_nan=True)
     assert torch.isfinite(row_max).tolist() == [True, False, False, False, True]

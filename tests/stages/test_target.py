@@ -654,8 +654,9 @@ def test_a_draft_chain_that_cannot_be_run_is_refused_before_anything_is_written(
     assert torch.equal(runner.kv, before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
-                         ids=["native-float32", "torch-bfloat16", "torch-float64"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["native-float32", "torch-bfloat16", "torch-float64"]
+)
 def test_top1_and_finiteness_agree_on_the_native_and_the_torch_paths(dtype):
     """The top-1 ids and the finiteness flag come from the native kernel and numpy for float32 on a
     CPU, and from torch's max for any other dtype or device (a GPU's path, one copy to the host):

@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = ["train_default", "bench_engine", "bench_runner", "bench_linear", "bench_scheduler", "compare_hf", "compare_heads",
-         "peer_vllm_inprocess"]
+TOOLS = [
+    "train_default",
+    "bench_engine",
+    "bench_runner",
+    "bench_linear",
+    "bench_scheduler",
+    "compare_hf",
+    "compare_heads",
+    "peer_vllm_inprocess",
+]
 
 
 def test_every_script_in_tools_is_checked():

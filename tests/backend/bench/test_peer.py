@@ -146,11 +146,15 @@ def test_a_killed_bench_takes_its_server_with_it(tmp_path):
     vLLM server behind: the kernel signals the server when its parent dies."""
     (tmp_path / "health").write_text("ok")
     port = free_ports(1)[0]
-    serve = (f"import functools, http.server; h = functools.partial(http.server.SimpleHTTPRequestHandler, "
-             f"directory={str(tmp_path)!r}); http.server.ThreadingHTTPServer(('127.0.0.1', {port}), h).serve_forever()")
-    bench = (f"import sys, time; from lightspec_backend.bench.peer import VllmServer; "
-             f"s = VllmServer([sys.executable, '-c', {serve!r}], {port}, log_dir={str(tmp_path)!r}).start(timeout_s=60); "
-             "print(s.process.pid, flush=True); time.sleep(600)")
+    serve = (
+        f"import functools, http.server; h = functools.partial(http.server.SimpleHTTPRequestHandler, "
+        f"directory={str(tmp_path)!r}); http.server.ThreadingHTTPServer(('127.0.0.1', {port}), h).serve_forever()"
+    )
+    bench = (
+        f"import sys, time; from lightspec_backend.bench.peer import VllmServer; "
+        f"s = VllmServer([sys.executable, '-c', {serve!r}], {port}, log_dir={str(tmp_path)!r}).start(timeout_s=60); "
+        "print(s.process.pid, flush=True); time.sleep(600)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", bench], stdout=subprocess.PIPE, text=True)
     pid = int(proc.stdout.readline())
     try:

@@ -59,9 +59,15 @@ def test_runs_that_held_fewer_requests_than_their_level_are_named():
     assert run_caveats(runs) == [low]
     assert run_caveats(runs[:1]) == []
     runs[0]["cpu_steal_share"], runs[1]["cpu_steal_share"] = 0.28, 0.02
-    assert run_caveats(runs)[1] == "note: CPU time taken by other machines on the host during: lightspec_none grpc c=64: 28 %"
+    assert (
+        run_caveats(runs)[1]
+        == "note: CPU time taken by other machines on the host during: lightspec_none grpc c=64: 28 %"
+    )
     runs[1]["errors"] = 3  # failed requests come first: a run with them measured fewer clients
-    assert run_caveats(runs)[0] == "note: requests failed in: vllm none http c=64: 3 of 128 (their ratios are not the level's)"
+    assert (
+        run_caveats(runs)[0]
+        == "note: requests failed in: vllm none http c=64: 3 of 128 (their ratios are not the level's)"
+    )
     assert len(run_caveats(runs)) == 3
 
 
@@ -179,7 +185,9 @@ def test_every_level_of_lightspec_none_is_a_reference_and_nothing_compared_is_no
     runs = [
         _peer_run("lightspec", "none", "none", 1, 10, protocol="grpc", outputs=c1),
         _peer_run("lightspec", "none", "none", 16, 10, protocol="grpc", outputs=c16),
-        _peer_run("vllm", "none", "none", 16, 10, outputs=[{"prompt": "a", "ids": [1, 2]}, {"prompt": "b", "ids": [3, 9]}]),
+        _peer_run(
+            "vllm", "none", "none", 16, 10, outputs=[{"prompt": "a", "ids": [1, 2]}, {"prompt": "b", "ids": [3, 9]}]
+        ),
     ]
     assert [(r["compared"], r["mismatches"]) for r in mark_mismatches(runs)] == [(1, 0), (2, 0), (2, 1)]
     alone = mark_mismatches(runs[2:])
