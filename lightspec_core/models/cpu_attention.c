@@ -52,6 +52,7 @@ static inline __attribute__((always_inline)) void attend_task(
     const float *restrict value_pool, const int64_t *restrict tiles, int64_t tiles_per_head, int64_t start,
     int64_t qlen, const int64_t *restrict positions, int kv_heads, int group, const int hd, const int bs,
     float scale, float *restrict scores, float *restrict acc, float *restrict qbuf) {
+    if (qlen <= 0) return; /* a request with no rows: its context would be read at positions[start - 1] */
     const int64_t nq = qlen * group; /* queries per KV head */
     const int64_t tile = (int64_t)hd * bs;
     const int64_t ctx = positions[start + qlen - 1] + 1; /* the last row sees the most keys */
@@ -219,6 +220,7 @@ static inline __attribute__((always_inline)) void attend_blocked(
     const float *restrict value_pool, const int64_t *restrict tiles, int64_t tiles_per_head, int64_t start,
     int64_t qlen, const int64_t *restrict positions, int kv_heads, int group, const int hd, const int bs,
     float scale, float *restrict scores, float *restrict acc, float *restrict qbuf) {
+    if (qlen <= 0) return; /* as in attend_task */
     /* query f of the task: KV head f / nq, its i = f % nq as in attend_task; padded to np */
     const int64_t nq = qlen * group;
     const int64_t nf = nq * kv_heads, np = (nf + QB - 1) / QB * QB;

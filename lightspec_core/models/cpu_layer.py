@@ -63,6 +63,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _bias(b: torch.Tensor | None) -> torch.Tensor | None:
+    """A contiguous bias. The caller keeps it in a local for the kernel call: a copy made inside
+    the call's argument list would be freed before the kernel reads it."""
     return None if b is None else b.detach().contiguous()
 
 
@@ -84,10 +86,11 @@ def pre(
     n, h = x.shape
     q = x.new_empty(n, a.n_heads, a.hd)
     weight, bias = a.fused
+    bias = _bias(bias)
     norms = (None, None) if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight)
     rc = kernel()[0](
         x.data_ptr(), n, h, layer.input_layernorm.weight.data_ptr(), eps,
-        cpu_linear.packed(weight).data_ptr(), _ptr(_bias(bias)), a.n_heads, a.n_kv, a.hd,
+        cpu_linear.packed(weight).data_ptr(), _ptr(bias), a.n_heads, a.n_kv, a.hd,
         _ptr(norms[0]), _ptr(norms[1]), rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.shape[0],
         positions.data_ptr(), kv[0].data_ptr(), key_elements.data_ptr(), kv[1].data_ptr(), value_rows.data_ptr(),
         q.data_ptr(), torch.get_num_threads(), _linear_address(),
@@ -103,12 +106,13 @@ def post(layer, x: torch.Tensor, attn: torch.Tensor, eps: float) -> None:
     n, h = x.shape
     attn = attn.contiguous()
     gate_up, gate_up_bias = mlp.fused
+    o_bias, gate_up_bias, down_bias = _bias(a.o_proj.bias), _bias(gate_up_bias), _bias(mlp.down_proj.bias)
     rc = kernel()[1](
         x.data_ptr(), n, h, attn.data_ptr(), attn.shape[1],
-        cpu_linear.packed(a.o_proj.weight).data_ptr(), _ptr(_bias(a.o_proj.bias)),
+        cpu_linear.packed(a.o_proj.weight).data_ptr(), _ptr(o_bias),
         layer.post_attention_layernorm.weight.data_ptr(), eps,
-        cpu_linear.packed(gate_up).data_ptr(), _ptr(_bias(gate_up_bias)), mlp.down_proj.weight.shape[1],
-        cpu_linear.packed(mlp.down_proj.weight).data_ptr(), _ptr(_bias(mlp.down_proj.bias)),
+        cpu_linear.packed(gate_up).data_ptr(), _ptr(gate_up_bias), mlp.down_proj.weight.shape[1],
+        cpu_linear.packed(mlp.down_proj.weight).data_ptr(), _ptr(down_bias),
         torch.get_num_threads(), _linear_address(),
     )  # fmt: skip
     _check(rc)
@@ -120,6 +124,8 @@ def mtp_head(head, state: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, n
     state = np.ascontiguousarray(state, dtype=np.float32)
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     n, h = state.shape
+    if h != head.h:  # the kernel takes h as the weights' width and the token table's row stride
+        raise ValueError(f"MTP head: states of width {h}, the head's hidden size is {head.h}")
     vocab = head.w_lm.shape[0]
     nxt, logits = np.empty((n, h), np.float32), np.empty((n, vocab), np.float32)
     rc = kernel()[2](

@@ -156,6 +156,8 @@ class LlamaConfig:
             raise refused("model_type", self.model_type, f"implemented: {', '.join(FAMILIES)}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+            raise refused("head_dim", self.head_dim, "rotary embeddings need an even head dimension")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "

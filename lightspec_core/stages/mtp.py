@@ -53,6 +53,9 @@ class MTPRunner:
         big_k = call.uniforms.shape[1]
         if kmax > self.num_heads:
             raise ValueError(f"num_tokens: {kmax} draft tokens requested but the model has {self.num_heads} MTP heads")
+        h = self.target.config.hidden_size
+        if np.shape(call.hidden) != (b, h):
+            raise ValueError(f"hidden: shape {np.shape(call.hidden)}, expected ({b}, {h}): one state per row")
         want_probs = bool(call.return_probs[0])
         out = MTPResult(
             draft_ids=np.full((b, big_k), -1, np.int64),

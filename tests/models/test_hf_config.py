@@ -60,6 +60,7 @@ def _refusal(tmp_path, raw: dict, max_context: int | None = None) -> str:
         ({"quantization_config": {"quant_method": "awq"}}, "config.json: quantization_config="),
         ({"final_logit_softcapping": 30.0}, "config.json: final_logit_softcapping=30.0: not supported"),
         ({"model_type": "gemma"}, "config.json: model_type=gemma: not supported"),
+        ({"head_dim": 15}, "config.json: head_dim=15: not supported (rotary embeddings need an even head dimension)"),
         ({"architectures": ["LlamaForSequenceClassification"]}, "config.json: architectures="),
     ],
 )

@@ -674,3 +674,30 @@ def test_top1_and_finiteness_agree_on_the_native_and_the_torch_paths(dtype):
     assert ids.dtype == np.int64 and finite.dtype == np.bool_
     assert finite.tolist() == [True, False, False, False, True, True]
     assert ids[[0, 4, 5]].tolist() == [int(logits[0].to(dtype).float().argmax()), 299, 40]
+
+
+@pytest.mark.parametrize("rows", [1, 3])  # a lone greedy row takes the native head, more the torch chain
+def test_mtp_states_of_another_width_are_refused_naming_hidden(default_model, rows):
+    """The native head took the states' width for its weights' and read past them (a segfault at a
+    large width, drafts from garbage at a small one); the torch chain failed on a shape mismatch."""
+    from lightspec_core.models import cpu_layer
+    from lightspec_core.stages.contract import MTPCall
+    from lightspec_core.stages.mtp import MTPRunner
+
+    runner = MTPRunner(default_model / "target", default_model / "mtp")
+    h = runner.target.config.hidden_size
+    call = MTPCall(
+        hidden=np.ones((rows, h + 16), np.float32),
+        last_ids=np.full(rows, 5),
+        num_tokens=np.full(rows, 2, np.int32),
+        temperature=np.zeros(rows, np.float32),
+        top_k=np.zeros(rows, np.int32),
+        top_p=np.ones(rows, np.float32),
+        uniforms=np.zeros((rows, 2), np.float32),
+        return_probs=np.array([False]),
+    )
+    with pytest.raises(ValueError, match=rf"hidden: shape \({rows}, {h + 16}\), expected \({rows}, {h}\)"):
+        runner.execute(call)
+    if cpu_layer.enabled():  # the kernel itself, as a caller other than the runner would reach it
+        with pytest.raises(ValueError, match=f"states of width {h + 16}, the head's hidden size is {h}"):
+            cpu_layer.mtp_head(runner.folded[0], np.ones((1, h + 16), np.float32), np.array([5]))
