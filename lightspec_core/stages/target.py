@@ -40,6 +40,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.kv = self.model.new_kv_cache(num_blocks, block_size, device=device)
+        self.zero_tails = False  # see _zero_context_tails
 
     def execute(self, call: ModelCall) -> ModelResult:
         tables = np.asarray(call.block_tables)
@@ -49,11 +50,14 @@ class ModelRunner:
         chain = np.asarray(call.draft_chain, np.int32)
         if chain.size:
             self._check_chain(call, chain)
+        if self.zero_tails:
+            self._zero_context_tails(call)
         hidden, logits = self._forward(
             call.input_ids, call.positions, [int(q) for q in call.query_lens], call.block_tables, call.sample_indices
         )
         h = self.config.hidden_size
         top1, finite = _top1_finite(logits)
+        self.zero_tails |= not finite.all()
         result = ModelResult(
             top1_ids=top1,
             finite=finite,
@@ -65,6 +69,27 @@ class ModelRunner:
         if chain.size:
             result.next_draft_ids = self._draft_chain(call, chain, top1)
         return result
+
+    def _zero_context_tails(self, call: ModelCall) -> None:
+        """Zero each request's slots past its context in the last block it reads, once the pool may
+        hold values that are not finite (a step's logits were not: a broken checkpoint).
+
+        Attention gives a slot past a query's position a weight of exactly 0, but 0 x NaN is NaN:
+        a NaN left in a freed block, or at a rejected draft's slot, would reach every request that
+        reads the block later, though none of them attends to it. Slots past a context hold nothing
+        anyone reads (a cached prefix block is full), and a later step writes them before using them."""
+        bs, hd = self.block_size, self.config.head_dim
+        layers, _, _, kv_heads, _ = self.kv.shape
+        last_rows = np.cumsum(np.asarray(call.query_lens, np.int64)) - 1
+        positions, tables = np.asarray(call.positions), np.asarray(call.block_tables)
+        for r, row in enumerate(last_rows):
+            if row < 0 or (r and row == last_rows[r - 1]):  # a request with no rows reads nothing
+                continue
+            context = int(positions[row]) + 1
+            if context % bs:
+                block = int(tables[r, (context - 1) // bs])
+                self.kv[:, 0, block].view(layers, kv_heads, hd, bs)[..., context % bs :] = 0  # key tiles: [hd, bs]
+                self.kv[:, 1, block].view(layers, kv_heads, bs, hd)[:, :, context % bs :] = 0
 
     def _forward(self, input_ids, positions, query_lens: list[int], block_tables, sample_indices):
         """(final hidden states, logits) of the sample rows of one packed step."""

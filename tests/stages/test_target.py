@@ -701,3 +701,40 @@ def test_mtp_states_of_another_width_are_refused_naming_hidden(default_model, ro
     if cpu_layer.enabled():  # the kernel itself, as a caller other than the runner would reach it
         with pytest.raises(ValueError, match=f"states of width {h + 16}, the head's hidden size is {h}"):
             cpu_layer.mtp_head(runner.folded[0], np.ones((1, h + 16), np.float32), np.array([5]))
+
+
+@pytest.mark.parametrize("attention", ["on", "off"], ids=["native", "torch"])
+@pytest.mark.parametrize("prompt", [4, 12], ids=["few-rows", "gathered-chunk"])
+def test_a_nan_left_in_a_freed_block_does_not_reach_the_request_that_reads_it_next(tmp_path, monkeypatch,
+                                                                                   attention, prompt):  # fmt: skip
+    """A request whose token embeds to NaN (a broken checkpoint) leaves NaN keys and values in its
+    block; the next request given that block reads none of those slots, yet a weight of 0 times NaN
+    made its logits NaN on every attention path (native, in place from the pool, gathered for SDPA).
+    After a step whose logits were not finite, the stage zeroes the slots past each context."""
+    from lightspec_core.models import cpu_attention
+    from lightspec_core.models.hf_config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[63] = math.nan
+    model.save(tmp_path / "broken")
+    monkeypatch.setenv(cpu_attention.ENV_SWITCH, attention)
+
+    def step(runner, ids, start):
+        n = len(ids)
+        call = ModelCall(np.array(ids, np.int64), np.arange(start, start + n), np.array([n], np.int32),
+                         np.array([[2]], np.int32), np.array([n - 1]), np.array([True]), np.array([False]))  # fmt: skip
+        return runner.execute(call)
+
+    used, fresh = (ModelRunner(tmp_path / "broken", num_blocks=4, block_size=16) for _ in range(2))
+    assert not step(used, [5, 6, 7, 63, *range(8, 20)], 0).finite.any()  # fills block 2, then is failed
+    b_prompt = list(range(1, prompt + 1))
+    got = [step(used, b_prompt, 0), step(used, [5], prompt)]
+    want = [step(fresh, b_prompt, 0), step(fresh, [5], prompt)]
+    for g, w in zip(got, want):
+        assert g.finite.all() and g.top1_ids.tolist() == w.top1_ids.tolist()
+        np.testing.assert_allclose(g.logits, w.logits, rtol=1e-5, atol=1e-5)
