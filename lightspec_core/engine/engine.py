@@ -87,7 +87,7 @@ class LLMEngine:
             cfg.kv_high_water,
             cfg.speculative,
         )
-        self._plans_with_cost = isinstance(policy, DynamicPolicy)
+        self._policy_cost = self.cost if isinstance(policy, DynamicPolicy) else None  # for the gauges
         self.proposer = make_proposer(cfg, self.executor, min(k, policy.k) if isinstance(policy, StaticPolicy) else k)
         self.seqs: dict[str, Sequence] = {}
         self._inflight: deque[InFlight] = deque()
@@ -176,9 +176,7 @@ class LLMEngine:
             on_launched()
         if self._inflight:
             deltas += self._complete(self._inflight.popleft())
-        self.stats.update_gauges(
-            self.scheduler, self.blocks, len(self._inflight), self.cost if self._plans_with_cost else None
-        )
+        self.stats.update_gauges(self.scheduler, self.blocks, len(self._inflight), self._policy_cost)
         return deltas
 
     def generate(
@@ -190,11 +188,15 @@ class LLMEngine:
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
         base = f"gen-{next(self._arrivals)}-"
-        outs: dict[str, RequestOutput] = {}
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            rid = base + str(i)
-            self.add_request(rid, p, sp)
-            outs[rid] = RequestOutput(rid, list(self.seqs[rid].token_ids))
+        rids = [base + str(i) for i in range(len(prompts))]
+        try:
+            for k, (rid, p, sp) in enumerate(zip(rids, prompts, plist)):
+                self.add_request(rid, p, sp)
+        except ValueError:  # the call is refused whole: the prompts queued before the bad one go too
+            for rid in rids[:k]:
+                self.scheduler.remove(self.seqs.pop(rid))
+            raise
+        outs = {rid: RequestOutput(rid, list(self.seqs[rid].token_ids)) for rid in rids}
         pending = set(outs)
         while pending:
             for d in self.step():

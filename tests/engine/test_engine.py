@@ -266,6 +266,20 @@ def test_max_tokens_none_generates_to_the_end_of_the_context(smoke_model, specul
         assert len(out.prompt_token_ids) + len(out.output_token_ids) == 48
 
 
+def test_generate_refuses_a_batch_whole_when_one_prompt_is_bad(smoke_model):
+    """A prompt too long for the context refuses the call; the prompts before it were left queued,
+    computed and holding KV blocks, their outputs never collected."""
+    eng = LLMEngine(EngineConfig(model_dir=str(smoke_model / "target"), max_model_len=48))
+    try:
+        with pytest.raises(ValueError, match="^prompt: "):
+            eng.generate([[1, 20, 30], [1] * 60], SamplingParams(max_tokens=8))
+        assert not eng.has_unfinished() and eng.blocks.num_free == eng.blocks.num_blocks
+        (out,) = eng.generate([[1, 20, 30]], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len(out.output_token_ids) == 8 and not eng.has_unfinished()
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize(
     ("depth", "caching", "blocks", "block_size", "budget", "length"),
     [(1, False, 16, 16, 100, 160), (2, False, 16, 16, 100, 160), (2, True, 8, 4, 3, 20)],
