@@ -123,7 +123,10 @@ def _keep_fused(seq, res, b: int, accepted: int) -> None:
     if int(res.accepted[b]) < 0:  # none asked for (no sample row, or no draft allowed)
         return
     if int(res.accepted[b]) != accepted:
-        log.warning(
+        # expected below min_tokens, where the engine masks the end tokens and the stage's check does not
+        below_min = seq.params.min_tokens > seq.num_output - accepted - 1
+        log.log(
+            logging.DEBUG if below_min else logging.WARNING,
             "fused MTP: stage accepted %d drafts of %s, the engine %d; drafts dropped",
             int(res.accepted[b]),
             seq.request_id,
