@@ -99,7 +99,7 @@ async def _events(endpoint: str, rid: str, model: str, body, first: Chunk, chunk
     ``include_usage``) a usage event with empty ``choices``; the speculation metrics ride on the
     final event, as vLLM's do; ``data: [DONE]`` ends it."""
     created, acc, head = int(time.time()), Accumulator(), endpoint == "chat"
-    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    continuous = body.include_usage and body.stream_options.continuous_usage_stats  # both, as vLLM asks
     try:
         chunk: Chunk | None = first
         while chunk is not None:

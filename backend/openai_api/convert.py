@@ -72,7 +72,7 @@ def sampling_tensors(req: CompletionRequest | ChatCompletionRequest) -> dict[str
     length = _length(req)
     if length is not None:
         tensors["max_tokens"] = length[1]
-    for name in ("top_k", "seed", "num_draft_tokens", "priority", "ignore_eos", "stream_interval"):
+    for name in ("top_k", "seed", "num_draft_tokens", "priority", "ignore_eos", "stream_interval", "min_tokens"):
         if getattr(req, name) is not None:
             tensors[name] = getattr(req, name)
     if tensors.get("top_k") == -1:  # vLLM's "off", which many clients send; the backend's vLLM convention agrees

@@ -5,8 +5,8 @@ by name. Fields LightSpec honours are used; fields that change nothing at their 
 (``frequency_penalty=0``, ``user``, ``metadata``) are ignored; a field set to a value LightSpec
 cannot honour (``n=2``, ``logprobs``, tools) is refused with a 400 naming it, and so is a field the
 API does not define. A few extensions that vLLM's server also takes (``top_k``, ``ignore_eos``,
-``stream_interval``, ``add_special_tokens``) and LightSpec's own ``num_draft_tokens`` and
-``priority`` are accepted too. ``add_special_tokens`` has vLLM's defaults: true for a completion's
+``min_tokens``, ``stream_interval``, ``add_special_tokens``) and LightSpec's own ``num_draft_tokens``
+and ``priority`` are accepted too, and vLLM's other sampling extensions at their neutral value. ``add_special_tokens`` has vLLM's defaults: true for a completion's
 text prompt (the tokenizer's BOS is added), false for chat (the rendered template holds it).
 """
 
@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..conventions import NEUTRAL_KEYS
 from .errors import OpenAIError
 
 
@@ -50,9 +51,27 @@ class _Common(BaseModel):
     num_draft_tokens: int | None = None
     priority: int | None = None
     stream_interval: int | None = None
+    min_tokens: int | None = None
+    # vLLM's sampling extensions that LightSpec takes at their neutral value only, as its Triton
+    # side does (conventions.NEUTRAL_KEYS): vLLM's own benchmark client sends repetition_penalty 1
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    use_beam_search: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def refuse_unsupported(self) -> None:
         """Raise a 400 naming the first field set to a value LightSpec cannot honour."""
+        for name in _VLLM_NEUTRAL:
+            value = getattr(self, name)
+            if value is not None and value != NEUTRAL_KEYS[name]:
+                raise OpenAIError(f"{name}={value!r}: not supported (only {NEUTRAL_KEYS[name]!r})", param=name)
         if self.n not in (None, 1):
             raise OpenAIError(f"n={self.n}: only n=1 is supported", param="n")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -73,6 +92,13 @@ class _Common(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+
+# the vLLM extensions above (n, the penalties and logit_bias are OpenAI's, checked by name)
+_VLLM_NEUTRAL = tuple(
+    name
+    for name in NEUTRAL_KEYS
+    if name in _Common.model_fields and name not in ("n", "presence_penalty", "frequency_penalty", "logit_bias")
+)
 
 # OpenAI's documented default for /v1/completions; chat leaves the length to the engine's default
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -123,7 +149,7 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def for_template(self, index: int) -> dict[str, Any]:
-        """The message as a chat template sees it (text parts joined; other parts refused)."""
+        """The message as a chat template sees it (text parts joined by newlines; other parts refused)."""
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             for part in self.content:
@@ -132,7 +158,7 @@ class ChatMessage(BaseModel):
                         f"messages[{index}].content: part type {part.type!r} not supported (text only)",
                         param=f"messages[{index}].content",
                     )
-            msg["content"] = "".join(part.text or "" for part in self.content)
+            msg["content"] = "\n".join(part.text or "" for part in self.content)  # as vLLM joins them
         return msg
 
 
@@ -168,7 +194,7 @@ class ChatCompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs is not None:
+        if self.logprobs or self.top_logprobs:  # top_logprobs 0 without logprobs asks for nothing
             name = "logprobs" if self.logprobs else "top_logprobs"
             raise OpenAIError(f"{name}: not supported", param=name)
         if self.response_format not in (None, {"type": "text"}):
@@ -183,16 +209,11 @@ class ChatCompletionRequest(_Common):
             raise OpenAIError("modalities: only ['text'] is supported", param="modalities")
         if self.reasoning_effort is not None:
             raise OpenAIError("reasoning_effort: not supported", param="reasoning_effort")
-        both = self.max_tokens is not None and self.max_completion_tokens is not None
-        if both and self.max_tokens != self.max_completion_tokens:
-            raise OpenAIError(
-                "max_completion_tokens: give max_tokens or max_completion_tokens, not two values",
-                param="max_completion_tokens",
-            )
 
     @property
     def length_limit(self) -> tuple[str, int] | None:
-        """(field name, value) of the requested completion length, if any."""
+        """(field name, value) of the requested completion length, if any; ``max_completion_tokens``
+        wins over the deprecated ``max_tokens`` when a client sends both, as in vLLM."""
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return ("max_tokens", self.max_tokens) if self.max_tokens is not None else None

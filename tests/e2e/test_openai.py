@@ -145,6 +145,38 @@ def test_seed_and_sampling_fields_reach_triton(client, server):
     assert other.choices[0].text != got.choices[0].text
 
 
+def test_min_tokens_keeps_a_completion_going_past_its_end_token(client):
+    prompt = 'if __name__ == "__main__":\n    main()\n'  # the embedded model ends this at once
+    plain = client.completions.create(model="lightspec", prompt=prompt, max_tokens=8, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 4
+    kept = client.completions.create(model="lightspec", prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={"min_tokens": 4})  # fmt: skip
+    assert kept.usage.completion_tokens >= 4
+
+
+def test_vllm_sampling_extensions_at_their_neutral_values_change_nothing(client, server):
+    """What vLLM's own benchmark client sends (``vllm bench serve``); another value is refused by name."""
+    want, _ = reference(server, PROMPT, 8)
+    neutral = {"repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True,
+               "include_stop_str_in_output": False, "stop_token_ids": []}  # fmt: skip
+    r = client.completions.create(model="lightspec", prompt=PROMPT, max_tokens=8, temperature=0, extra_body=neutral)
+    assert r.choices[0].text == want
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="lightspec", prompt=PROMPT, extra_body={"repetition_penalty": 1.1})
+    assert e.value.body["param"] == "repetition_penalty"
+
+
+def test_continuous_usage_comes_with_include_usage_only_as_in_vllm(client):
+    def usages(options: dict) -> list:
+        chunks = client.completions.create(model="lightspec", prompt=PROMPT, max_tokens=6, temperature=0,
+                                           stream=True, stream_options=options)  # fmt: skip
+        return [c.usage for c in chunks if c.choices]
+
+    assert set(usages({"continuous_usage_stats": True})) == {None}
+    counts = [u.completion_tokens for u in usages({"include_usage": True, "continuous_usage_stats": True})]
+    assert counts == sorted(counts) and counts[-1] == 6
+
+
 @pytest.mark.parametrize(
     ("kw", "field"),
     [({"temperature": -1}, "temperature"), ({"n": 2}, "n"), ({"max_tokens": 5000}, "max_tokens"),

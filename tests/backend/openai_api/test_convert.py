@@ -60,11 +60,13 @@ def test_a_completion_adds_special_tokens_and_chat_does_not_unless_the_request_s
         completion(add_special_tokens="maybe")
 
 
-def test_chat_max_completion_tokens_wins_and_conflicting_lengths_are_refused():
+def test_chat_max_completion_tokens_wins_over_max_tokens_as_in_vllm():
+    """A client may fill in both (the deprecated one for older servers): vLLM takes
+    max_completion_tokens, and errors name the field that was used."""
     assert sampling_tensors(chat(max_completion_tokens=9))["max_tokens"] == 9
-    assert sampling_tensors(chat(max_tokens=9, max_completion_tokens=9))["max_tokens"] == 9
+    assert sampling_tensors(chat(max_tokens=16, max_completion_tokens=8))["max_tokens"] == 8
     with pytest.raises(OpenAIError) as e:
-        sampling_tensors(chat(max_tokens=8, max_completion_tokens=9))
+        sampling_tensors(chat(max_tokens=8, max_completion_tokens=0))
     assert e.value.param == "max_completion_tokens"
 
 
@@ -167,7 +169,7 @@ def test_non_text_message_parts_are_refused_naming_the_message():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
     ])  # fmt: skip
-    assert req.messages[0].for_template(0)["content"] == "ab"
+    assert req.messages[0].for_template(0)["content"] == "a\nb"  # joined as vLLM joins them
     with pytest.raises(OpenAIError) as e:
         req.messages[1].for_template(1)
     assert e.value.param == "messages[1].content"
@@ -196,3 +198,27 @@ def test_metrics_without_speculation_are_all_zero_steps():
     acc.add(chunk("x", "stop", n_in=1, n_out=1))
     spec = acc.metrics()["speculative_decoding"]
     assert spec["acceptance_histogram"] == [0] and spec["num_spec_steps"] == 0 and spec["mean_acceptance_length"] == 1.0
+
+
+def test_min_tokens_reaches_its_tensor_and_is_checked_against_the_length():
+    assert sampling_tensors(completion(min_tokens=4, max_tokens=8))["min_tokens"] == 4
+    assert sampling_tensors(chat(min_tokens=2))["min_tokens"] == 2
+    with pytest.raises(OpenAIError) as e:
+        sampling_tensors(completion(min_tokens=9, max_tokens=8))
+    assert e.value.param == "min_tokens"
+
+
+@pytest.mark.parametrize("make", [completion, chat])
+def test_vllm_extensions_are_accepted_at_their_neutral_values_and_refused_otherwise(make):
+    neutral = {"repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True, "stop_token_ids": [],
+               "include_stop_str_in_output": False, "use_beam_search": False, "bad_words": []}  # fmt: skip
+    assert sampling_tensors(make(**neutral)) == sampling_tensors(make())
+    for name, value in [("repetition_penalty", 1.2), ("min_p", 0.1), ("stop_token_ids", [5]),
+                        ("include_stop_str_in_output", True), ("skip_special_tokens", False)]:  # fmt: skip
+        with pytest.raises(OpenAIError) as e:
+            sampling_tensors(make(**{name: value}))
+        assert e.value.param == name and e.value.message.startswith(f"{name}={value!r}: not supported")
+
+
+def test_top_logprobs_zero_without_logprobs_asks_for_nothing():
+    assert sampling_tensors(chat(top_logprobs=0)) == sampling_tensors(chat())
