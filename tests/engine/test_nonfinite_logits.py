@@ -189,3 +189,52 @@ def test_nan_head_confidences_fall_in_the_lowest_bucket_of_the_confidence_stop(d
         min_gain=np.full(batch, 0.3, np.float32), calibration=np.full((2, k, 10), 0.5, np.float32)))  # fmt: skip
     assert (out.draft_ids[:, :1] >= 0).all() and (out.draft_ids[:, 1:] == -1).all(), out.draft_ids
     assert ConfidenceStats(k).bucket(math.nan) == 0 and ConfidenceStats(k).bucket(math.inf) == 9
+
+
+BROKEN = 1234  # a token id of the default model whose input embedding the fixture breaks
+
+
+@pytest.fixture(scope="module")
+def broken_embedding(default_model, tmp_path_factory):
+    """The default target untied, with the input embedding of ``BROKEN`` NaN (its LM head row intact)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path_factory.mktemp("broken") / "target"
+    shutil.copytree(default_model / "target", d)
+    weights = load_file(d / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights["model.embed_tokens.weight"][BROKEN] = math.nan
+    save_file(weights, d / "model.safetensors")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return d
+
+
+@pytest.mark.parametrize("method", ["none", "mtp"])
+def test_the_request_that_gets_a_failed_requests_blocks_is_served_exactly(default_model, broken_embedding, method):
+    """A prompt holding ``BROKEN`` fails and leaves NaN keys and values in its blocks; with one
+    request at a time in a small pool the next request gets those blocks, and must be served as on
+    a fresh engine (with MTP it failed: attention weighs the slots past its context by 0)."""
+
+    def engine():
+        return LLMEngine(EngineConfig(model_dir=str(broken_embedding), mtp_dir=str(default_model / "mtp"),
+                                      speculation=method, num_kv_blocks=6, block_size=16, max_num_seqs=1,
+                                      enable_prefix_caching=False, profile_stages=False))  # fmt: skip
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    eng = engine()
+    try:
+        failed = eng.generate([[1, 5, 6, 7, BROKEN, *range(8, 23)]], params)[0]
+        served = eng.generate([VICTIM], params)[0]
+    finally:
+        eng.close()
+    fresh = engine()
+    try:
+        want = fresh.generate([VICTIM], params)[0]
+    finally:
+        fresh.close()
+    assert failed.finish_reason == "error" and "not finite" in failed.error
+    assert (served.finish_reason, served.output_token_ids) == ("length", want.output_token_ids)
