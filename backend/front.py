@@ -119,8 +119,22 @@ class BatchedFront:
         self._lock = threading.Lock()
 
     def execute(self, requests: list) -> None:
+        """Everything a request holds is read here, while Triton keeps it alive; its thread gets
+        plain data and the response sender only. Read from the thread after ``execute`` returned, a
+        request a client had cancelled crashed the stub (a segfault in libpython) or corrupted the
+        server's heap (``malloc(): unaligned tcache chunk``, then SIGABRT) under concurrent cancels."""
         for request in requests:
-            t = threading.Thread(target=self._run, args=(request,), name="lightspec-front", daemon=True)
+            sender = request.get_response_sender()
+            try:
+                bls, wanted = self._bls_request(request)
+            except ValueError as e:
+                self._fail(sender, str(e), "INVALID_ARG")
+                continue
+            except Exception as e:  # noqa: BLE001 - every request must end with a final response
+                self.pb.Logger.log_error(f"[lightspec] batched front: {traceback.format_exc()}")
+                self._fail(sender, f"forwarding to {self.target} failed: {e}", "INTERNAL")
+                continue
+            t = threading.Thread(target=self._run, args=(bls, wanted, sender), name="lightspec-front", daemon=True)
             with self._lock:
                 self._threads.add(t)
             t.start()
@@ -131,12 +145,9 @@ class BatchedFront:
         for t in threads:
             t.join(timeout_s)
 
-    def _run(self, request) -> None:
-        sender = request.get_response_sender()
+    def _run(self, bls, wanted: set[str], sender) -> None:
         try:
-            self._forward(request, sender)
-        except ValueError as e:
-            self._fail(sender, str(e), "INVALID_ARG")
+            self._forward(bls, wanted, sender)
         except Exception as e:  # noqa: BLE001 - every request must end with a final response
             self.pb.Logger.log_error(f"[lightspec] batched front: {traceback.format_exc()}")
             self._fail(sender, f"forwarding to {self.target} failed: {e}", "INTERNAL")
@@ -149,35 +160,45 @@ class BatchedFront:
         sender.send(self.pb.InferenceResponse(output_tensors=[], error=err),
                     flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # fmt: skip
 
-    def _bls_request(self, request):
+    def _bls_request(self, request) -> tuple[object, set[str]]:
+        """(the BLS request to ``target``, the output names the client wants), from copies of
+        everything the request holds."""
         pb = self.pb
         sent = request.parameters() if hasattr(request, "parameters") else None
         sent = drop_forwarded_headers(load_parameters(sent), self.forwarded_headers)
-        arrays = trtllm_inputs({t.name(): unbatch(t.name(), t.as_numpy()) for t in request.inputs()}, sent)
-        inputs = [pb.Tensor(name, arr) for name, arr in arrays.items()]
-        wanted = request.requested_output_names()
+        copies = {t.name(): np.array(unbatch(t.name(), t.as_numpy())) for t in request.inputs()}
+        inputs = [pb.Tensor(name, arr) for name, arr in trtllm_inputs(copies, sent).items()]
+        wanted = list(request.requested_output_names() or [])
         names = sorted(set(wanted) | {"finish_reason"}) if wanted else OUTPUT_NAMES
         params = bls_parameters(sent)
         kwargs = {"parameters": params} if params else {}
-        return pb.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=names, **kwargs)
+        bls = pb.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=names, **kwargs)
+        return bls, set(wanted or OUTPUT_NAMES)
 
-    def _forward(self, request, sender) -> None:
+    def _forward(self, bls, wanted: set[str], sender) -> None:
+        """Stream ``target``'s responses to the client, with the batch dimension back. A client
+        that cancels gets its final response at once; the request inside runs to its end, its
+        responses dropped: Triton 2.51's BLS response iterator cannot cancel (no ``cancel``)."""
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        wanted = set(request.requested_output_names() or OUTPUT_NAMES)
-        responses = self._bls_request(request).exec(decoupled=True)
-        for response in responses:
+        open_ = True
+        for response in bls.exec(decoupled=True):
+            if not open_:
+                continue  # drained: the stream must be read to its end
             if response.has_error():
                 sender.send(pb.InferenceResponse(output_tensors=[], error=response.error()), flags=final)
-                return
+                open_ = False
+                continue
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
             if not outputs:
                 continue  # the stream's empty final response
             last = is_last(outputs)
+            if sender.is_cancelled():
+                sender.send(flags=final)
+                open_ = False
+                continue
             tensors = [pb.Tensor(n, batch(a)) for n, a in outputs.items() if n in wanted]
             sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
-            if last:
-                return
-            if sender.is_cancelled() and hasattr(responses, "cancel"):
-                responses.cancel()  # lightspec ends it with a cancelled final response
-        sender.send(flags=final)
+            open_ = not last
+        if open_:
+            sender.send(flags=final)

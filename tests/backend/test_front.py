@@ -4,13 +4,16 @@ itself runs in tests/e2e/test_conventions.py)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from lightspec_backend.conventions import parse_request_parameters, stream_parameter
 from lightspec_backend.front import BatchedFront, batch, bls_parameters, is_last, trtllm_inputs, unbatch
 
-from tests.fakes import FakePbUtils, FakeTensor
+from tests.fakes import FakePbUtils, FakeResponse, FakeSender, FakeTensor
 
 
 def test_unbatch_drops_a_batch_of_one_and_refuses_others_by_name():
@@ -71,7 +74,7 @@ def test_bls_request_carries_the_parameters_in_the_form_the_stub_accepts():
     pb, seen = FakePbUtils(), {}
     make = pb.InferenceRequest  # checks parameters as the stub does
     pb.InferenceRequest = lambda *args, **kwargs: seen.update(kwargs) or make(*args, **kwargs)
-    bls = BatchedFront(pb, "lightspec")._bls_request(BatchedRequest('{"stream": true, "temperature": 0.5}'))
+    bls, _ = BatchedFront(pb, "lightspec")._bls_request(BatchedRequest('{"stream": true, "temperature": 0.5}'))
     assert bls.model_name == "lightspec" and bls.inputs["text_input"].as_numpy().shape == (1,)
     assert seen["parameters"] == {"stream": True, "temperature": "0.5"}
 
@@ -121,3 +124,76 @@ def test_forwarded_headers_are_not_sent_on_to_lightspec():
     front = BatchedFront(pb, "lightspec", forwarded_headers="^x-tenant")
     front._bls_request(BatchedRequest('{"stream": true, "x-tenant-id": "acme"}'))
     assert seen["parameters"] == {"stream": True}
+
+
+class WatchedRequest(BatchedRequest):
+    """Records the threads that read it: the stub may free a request once ``execute`` returned."""
+
+    def __init__(self, parameters: str = '{"stream": true}'):
+        super().__init__(parameters)
+        self.sender, self.readers = FakeSender(), set()
+
+    def __getattribute__(self, name):
+        if name in ("inputs", "requested_output_names", "parameters", "get_response_sender"):
+            object.__getattribute__(self, "readers").add(threading.current_thread().name)
+        return object.__getattribute__(self, name)
+
+    def get_response_sender(self) -> FakeSender:
+        return self.sender
+
+
+def streaming_front(chunks: int, gate: threading.Event | None = None):
+    """A front whose BLS stream yields ``chunks`` data responses, the last with a finish reason, then
+    the stream's empty final response; each waits for ``gate`` when one is given. Returns the front
+    and the list of responses the stream has given."""
+    pb, given = FakePbUtils(), []
+
+    def stream():
+        for i in range(chunks):
+            if gate is not None:
+                gate.wait(5)
+                gate.clear()
+            reason = b"length" if i == chunks - 1 else b""
+            given.append(i)
+            yield FakeResponse([FakeTensor("text_output", np.array([b"t"], dtype=object)),
+                                FakeTensor("finish_reason", np.array([reason], dtype=object))])  # fmt: skip
+        given.append("end")
+        yield FakeResponse([])
+
+    pb.InferenceRequest = lambda **kw: SimpleNamespace(exec=lambda decoupled: stream())
+    return BatchedFront(pb, "lightspec"), given
+
+
+def test_a_request_is_read_only_inside_execute_and_its_stream_reaches_the_client():
+    """Read from the forwarding thread after execute returned, a request that a client had
+    cancelled crashed the stub or the server under concurrent cancels."""
+    front, _ = streaming_front(3)
+    request = WatchedRequest()
+    front.execute([request])
+    assert request.sender.wait_final()
+    front.finalize()
+    assert request.readers == {threading.current_thread().name}
+    assert [(d["text_output"].shape, f) for (r, f), d in zip(request.sender.sent, request.sender.data())] == [
+        ((1, 1), 0),
+        ((1, 1), 0),
+        ((1, 1), 1),
+    ]
+
+
+def test_a_cancelled_client_gets_its_final_response_at_once_and_the_stream_is_read_to_its_end():
+    gate = threading.Event()
+    front, given = streaming_front(6, gate)
+    request = WatchedRequest()
+    front.execute([request])
+    gate.set()
+    while not request.sender.sent:
+        time.sleep(0.01)
+    request.sender.cancel()
+    gate.set()
+    assert request.sender.wait_final()
+    assert len(request.sender.data()) == 1 and request.sender.sent[-1] == (None, 1)
+    for _ in range(4):
+        gate.set()
+        time.sleep(0.02)
+    front.finalize()
+    assert given[-1] == "end" and request.sender.sends_after_final == 0
