@@ -101,15 +101,28 @@ def coerce(name: str, value, kind: str):
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str) and _is_int_text(value):
-            return int(value)
+            try:
+                return int(value)
+            except ValueError:  # past Python's 4300-digit limit for int(str)
+                raise ValueError(f"{name}: {_shown(value)}: expected an integer") from None
         raise ValueError(f"{name}={value!r}: expected an integer")
     try:
         out = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name}={value!r}: expected a number") from None
+    except OverflowError:  # a JSON integer of hundreds of digits
+        raise ValueError(f"{name}: {_shown(value)}: expected a finite number") from None
     if not math.isfinite(out):
         raise ValueError(f"{name}={value!r}: expected a finite number")
     return out
+
+
+def _shown(value) -> str:
+    """A value for an error message, a long one cut (its repr alone can exceed int()'s digit limit)."""
+    if isinstance(value, int):  # str() of an int past 4300 digits raises
+        return f"an integer of {value.bit_length()} bits"
+    text = value if isinstance(value, str) else repr(value)
+    return repr(text[:40] + "...") if len(text) > 40 else repr(text)
 
 
 def _stop(name: str, value) -> list[str]:
@@ -165,6 +178,8 @@ def parse_sampling_parameters(text: str) -> dict:
         obj = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
         raise ValueError(f"sampling_parameters: invalid JSON ({e.msg} at character {e.pos})") from None
+    except (ValueError, RecursionError) as e:  # a number past int()'s digit limit; nesting too deep
+        raise ValueError(f"sampling_parameters: invalid JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(obj, dict):
         raise ValueError(f"sampling_parameters: expected a JSON object, got {type(obj).__name__}")  # noqa: TRY004
     return sampling_fields(obj, lambda k: f"sampling_parameters: {k}")

@@ -109,10 +109,11 @@ class Orchestrator:
             parsed = parse_request(
                 get, self.max_model_len, self.vocab_size, request_parameters(request), self.forwarded_headers
             )
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - a request that cannot be parsed still gets its answer
             self.engine.stats.count_rejected()
             self._register(entry)
-            self._post((entry, ErrorReply("INVALID_ARG", str(e))))
+            bad = isinstance(e, ValueError)  # a parser's own refusal; anything else is a fault here
+            self._post((entry, ErrorReply("INVALID_ARG" if bad else "INTERNAL", str(e) if bad else repr(e))))
             self._inbox.put(("rejected", None))  # the engine loop publishes the failure count
             return
         entry.state.request = parsed

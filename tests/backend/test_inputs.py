@@ -85,6 +85,27 @@ def test_utf8_text_is_decoded():
         ),
         ({"text_input": "a", "sampling_parameters": '{"max_tokens": "+-5"}'}, "sampling_parameters: max_tokens='+-5'"),
         ({"text_input": "a", "sampling_parameters": '{"seed": "²"}'}, "sampling_parameters: seed='²'"),
+        # numbers past float's range or int()'s digit limit, and nesting past the parser's depth
+        (
+            {"text_input": "a", "sampling_parameters": '{"temperature": 1' + "0" * 400 + "}"},
+            "sampling_parameters: temperature: an integer of 1329 bits: expected a finite number",
+        ),
+        (
+            {"text_input": "a", "sampling_parameters": '{"repetition_penalty": 1' + "0" * 400 + "}"},
+            "sampling_parameters: repetition_penalty: an integer of 1329 bits: expected a finite number",
+        ),
+        (
+            {"text_input": "a", "sampling_parameters": '{"max_tokens": "1' + "0" * 5000 + '"}'},
+            "sampling_parameters: max_tokens: '1000000000000000000000000000000000000000...': expected an integer",
+        ),
+        (
+            {"text_input": "a", "sampling_parameters": '{"max_tokens": 1' + "0" * 5000 + "}"},
+            "sampling_parameters: invalid JSON (ValueError: ",
+        ),
+        (
+            {"text_input": "a", "sampling_parameters": "[" * 100_000 + "]" * 100_000},
+            "sampling_parameters: invalid JSON (RecursionError: ",
+        ),
         ({"text_input": "a", "stream_interval": 0}, "stream_interval=0: must be a positive integer"),
         ({"text_input": "a", "stop_words": [b"\xc3"]}, "stop_words: invalid UTF-8"),
         ({"text_input": "a", "stop_words": ["w"] * 10_000}, "stop_words: 10000 stop strings, at most 64"),

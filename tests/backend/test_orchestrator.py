@@ -146,6 +146,26 @@ def test_invalid_input_is_invalid_arg(served, tensors, fragment):
     assert resp.error().code() == pb.TritonError.INVALID_ARG and fragment in resp.error().message()
 
 
+def test_a_fault_while_parsing_still_answers_the_request_and_counts_it(served, monkeypatch):
+    """An exception other than a parser's ValueError escaped submit: Triton answered with the
+    traceback, and the failure was not counted."""
+    from lightspec_backend import orchestrator
+
+    orch, pb = served
+
+    def fail(*args, **kwargs):
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(orchestrator, "parse_request", fail)
+    before = orch.engine.stats.snapshot()["request_failure_total"]
+    r = request(text_input="a")
+    orch.submit(r)
+    assert r.sender.wait_final(10)
+    err = r.sender.final.error()
+    assert err.code() == pb.TritonError.INTERNAL and "OverflowError" in err.message()
+    assert orch.engine.stats.snapshot()["request_failure_total"] == before + 1
+
+
 def test_prompt_too_long_is_invalid_arg_from_the_engine(served, engine):
     orch, pb = served
     r = request(input_ids=[5] * (engine.max_model_len + 1), max_tokens=1)
