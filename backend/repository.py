@@ -73,6 +73,7 @@ STAGE_TENSORS: dict[type, list[TensorSpec]] = {
         TensorSpec("return_probs", "BOOL", (1,)),
         TensorSpec("min_gain", "FP32", (-1,)),
         TensorSpec("calibration", "FP32", (-1, -1, -1)),
+        TensorSpec("noise", "FP32", (-1, -1, -1)),
     ],
     ProfileCall: [TensorSpec("profile_spec", "STRING", (1,))],
     ProfileResult: [TensorSpec("profile", "STRING", (1,))],

@@ -116,7 +116,8 @@ def make_proposer(cfg: EngineConfig, executor: Executor, k: int) -> Proposer:
     if k == 0 or cfg.method is SpecMethod.NONE:
         return NoProposer()
     if cfg.method is SpecMethod.MTP:
-        return MTPProposer(executor, k, fused=cfg.fused_mtp, confidence_stop=cfg.confidence_floors)
+        vocab = LlamaConfig.from_dir(resolve_dirs(cfg)[0]).vocab_size
+        return MTPProposer(executor, k, vocab, fused=cfg.fused_mtp, confidence_stop=cfg.confidence_floors)
     if cfg.method is SpecMethod.DRAFT:
         return DraftModelProposer(executor, LlamaConfig.from_dir(resolve_dirs(cfg)[2]).vocab_size)
     return NgramProposer(cfg.ngram_max, cfg.ngram_min)

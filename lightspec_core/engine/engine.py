@@ -26,7 +26,7 @@ from ..spec.calibrate import PROPOSER_STAGE, ProfileSpec
 from ..spec.cost import CostModel, ProposeCost
 from ..spec.policy import DynamicPolicy, StaticPolicy
 from ..spec.proposer import Proposal
-from ..spec.verify import verify_greedy, verify_rejection
+from ..spec.verify import verify_coupled, verify_greedy, verify_rejection
 from ..stages.executor import Executor
 from .block_manager import BlockManager
 from .build import build_local_executor, check_same_vocabulary, make_policy, make_proposer, with_draft_tokens
@@ -326,9 +326,10 @@ class LLMEngine:
             # tokens masked (see mask_end_tokens)
             top1 = probs.argmax(-1).tolist() if probs is not None else res.top1_ids[rows].tolist()
             tokens = verify_greedy(drafts, top1)
-        else:
-            q = pr.q[: len(drafts)] if pr.q is not None else None
-            tokens = verify_rejection(drafts, q, probs, seq.rng)
+        elif seq.params.seed is None:
+            tokens = verify_rejection(drafts, pr.q, probs, seq.rng)  # reads the q rows of these drafts only
+        else:  # the same tokens whatever the drafts: see verify_coupled
+            tokens = verify_coupled(drafts, probs, lambda j: seq.noise(j, probs.shape[1]))
         accepted = len(tokens) - 1
         if drafts:
             seq.record_acceptance(len(drafts), accepted)

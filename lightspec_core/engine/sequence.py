@@ -14,6 +14,7 @@ import numpy as np
 
 from ..config import SamplingParams
 from ..models.tokenizer import IncrementalDetokenizer, TokenizerInfo
+from ..spec.sampling import keyed_noise
 
 
 def checked_prompt(
@@ -75,6 +76,7 @@ class Sequence:
         self.reset_for_recompute()  # what a preemption forgets: computed tokens, proposers' inputs
         self.arrival = arrival  # monotonically increasing admission order
         self.rng = np.random.default_rng(params.seed if params.seed is not None else seed)
+        self._noise: dict[int, np.ndarray] = {}  # output position -> its noise (see noise)
         self.detok = detok
         self.text = ""
         self.sent_tokens = 0  # output tokens already reported in a delta
@@ -126,6 +128,17 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    def noise(self, offset: int, vocab: int) -> np.ndarray:
+        """A seeded request's ``keyed_noise`` for output position ``num_output + offset``: fp32 [vocab].
+        Kept until that position is decoded: a step's proposer draws its drafts with it, and its
+        verification races the target with the same rows (at a large vocabulary a row costs ~1 ms)."""
+        pos = self.num_output + offset
+        row = self._noise.get(pos)
+        if row is None or len(row) < vocab:
+            self._noise = {p: r for p, r in self._noise.items() if p >= self.num_output}
+            row = self._noise[pos] = keyed_noise(self.params.seed, pos, vocab)
+        return row[:vocab]
 
     @property
     def masks_end(self) -> bool:

@@ -8,7 +8,7 @@ import torch
 from ..stages.contract import ModelCall, pack_block_tables
 from ..stages.executor import Executor
 from .proposer import Proposal, StatelessProposer, drafting, sampling_arrays
-from .sampling import probs_from_logits
+from .sampling import probs_from_logits, race
 
 
 class DraftModelProposer(StatelessProposer):
@@ -31,8 +31,8 @@ class DraftModelProposer(StatelessProposer):
         # K/V the draft model wrote for drafts beyond the verified length is stale: recompute from there
         seq.draft_computed = min(seq.draft_computed, seq.num_computed)
 
-    def _pick(self, seqs, logits: np.ndarray, top1: np.ndarray) -> tuple[list[int], list[np.ndarray | None]]:
-        """``logits``: the rows of the sampled requests only, in order."""
+    def _pick(self, seqs, logits: np.ndarray, top1: np.ndarray, j: int) -> tuple[list[int], list[np.ndarray | None]]:
+        """``logits``: the rows of the sampled requests only, in order; ``j``: the draft's index."""
         sampled = [s for s in seqs if not s.params.greedy]
         if not sampled:
             return [int(t) for t in top1], [None] * len(seqs)
@@ -52,8 +52,11 @@ class DraftModelProposer(StatelessProposer):
                 qs.append(None)
             else:
                 pr = next(probs)
-                cdf = np.cumsum(pr, dtype=np.float64)
-                toks.append(min(int(np.searchsorted(cdf, s.rng.random() * cdf[-1], side="right")), len(pr) - 1))
+                if s.params.seed is not None:  # the noise its verification races the target with
+                    toks.append(race(pr, s.noise(j, len(pr))))
+                else:
+                    cdf = np.cumsum(pr, dtype=np.float64)
+                    toks.append(min(int(np.searchsorted(cdf, s.rng.random() * cdf[-1], side="right")), len(pr) - 1))
                 qs.append(pr)
         return toks, qs
 
@@ -100,7 +103,7 @@ class DraftModelProposer(StatelessProposer):
         drafts: list[list[int]] = [[] for _ in sub]
         qs: list[list[np.ndarray]] = [[] for _ in sub]
         res = self._call(sub, inputs, starts, sub_tables)
-        toks, q = self._pick(sub, res.logits, res.top1_ids)
+        toks, q = self._pick(sub, res.logits, res.top1_ids, 0)
         for r, s in enumerate(sub):
             s.draft_computed = s.num_tokens
             drafts[r].append(toks[r])
@@ -114,7 +117,7 @@ class DraftModelProposer(StatelessProposer):
                 [sub[r].num_tokens + j - 1 for r in live],
                 [sub_tables[r] for r in live],
             )
-            toks, q = self._pick(lsub, res.logits, res.top1_ids)
+            toks, q = self._pick(lsub, res.logits, res.top1_ids, j)
             for n, r in enumerate(live):
                 sub[r].draft_computed += 1
                 drafts[r].append(toks[n])

@@ -24,9 +24,12 @@ class MTPProposer:
     floor (see ``MTPCall``), judged by the heads' confidence, which this proposer calibrates
     against acceptance (:class:`ConfidenceStats`) from every verified draft."""
 
-    def __init__(self, executor: Executor, max_k: int, fused: bool = False, confidence_stop: bool = False):
+    def __init__(
+        self, executor: Executor, max_k: int, vocab_size: int, fused: bool = False, confidence_stop: bool = False
+    ):
         self.executor = executor
         self.max_k = max_k
+        self.vocab_size = vocab_size  # the target's: a seeded request's noise covers its ids
         self.fused = fused
         self.confidence = ConfidenceStats(max_k) if confidence_stop else None
 
@@ -91,6 +94,7 @@ class MTPProposer:
             return_probs=np.array([bool((temp > 0).any())]),
             min_gain=np.array([floors[i] if floors else 0.0 for i in staged], np.float32),
             calibration=table,
+            noise=self._noise(sub, [ks[i] for i in staged]),
         )
         res = self.executor.submit("mtp", call).result()
         for row, i in enumerate(staged):
@@ -99,6 +103,18 @@ class MTPProposer:
             q = res.draft_probs[row, :n] if not seqs[i].params.greedy else None
             out[i] = Proposal(drafts, q, res.draft_conf[row, :n].tolist() if stop else None)
         return out
+
+    def _noise(self, seqs, ks: list[int]) -> np.ndarray:
+        """MTPCall.noise: a seeded sampled request's keyed noise for its drafts' positions, so that its
+        drafts race the target with the noise its verification will (``verify_coupled``); -1 for the
+        other rows (they draw by their uniforms). Empty when no row has a seed."""
+        if all(s.params.seed is None or s.params.greedy for s in seqs):
+            return np.zeros((0, 0, 0), np.float32)
+        noise = np.full((len(seqs), self.max_k, self.vocab_size), -1.0, np.float32)
+        for r, (s, k) in enumerate(zip(seqs, ks)):
+            if s.params.seed is not None and not s.params.greedy:
+                noise[r, :k] = [s.noise(j, self.vocab_size) for j in range(k)]
+        return noise
 
     def _fused(self, seq, k: int, table: np.ndarray, floor: float) -> Proposal:
         drafts, conf = seq.fused_ids[:k], seq.fused_conf[:k]

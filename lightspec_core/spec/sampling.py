@@ -7,6 +7,7 @@ proposer's logits, so rejection sampling compares like with like and keeps exact
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -80,3 +81,22 @@ def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if bool(bad.any()):
         idx = torch.where(bad, probs.argmax(-1), idx)
     return idx
+
+
+def keyed_noise(seed: int, position: int, n: int) -> np.ndarray:
+    """``n`` standard exponentials (float32) fixed by ``seed`` and ``position`` alone.
+
+    Token ``argmax(probs / noise)`` is then an exact draw from ``probs`` (the exponential race, the
+    Gumbel-max trick in another form). A seeded request draws its token at output position n with the
+    noise keyed (seed, n), and so do its proposers: its output does not depend on how many drafts each
+    step verified, nor on which requests shared its batch, and a draft drawn from a proposal close to
+    the target's distribution is the same token most of the time (see ``verify_coupled``).
+    """
+    # drawn in float64: numpy's float32 ziggurat returns an exact 0 about once in 2**24 draws, which
+    # would win the race for any token with probability > 0
+    return np.random.default_rng([seed, position]).standard_exponential(n).astype(np.float32)
+
+
+def race(probs: np.ndarray, noise: np.ndarray) -> int:
+    """The exponential race's winner: ``argmax(probs / noise)``, a token with probability > 0."""
+    return int(np.argmax(probs / noise))

@@ -8,7 +8,11 @@ emits a + 1 tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+from .sampling import race
 
 
 def verify_greedy(draft_ids: list[int], target_top1: list[int]) -> list[int]:
@@ -73,15 +77,43 @@ def verify_rejection(draft_ids: list[int], q: np.ndarray | None, p: np.ndarray, 
         # softmax over a NaN or inf logit is NaN throughout, q_j(x) too: rejected without a draw)
         if not z > 0:
             resid, z = pj.astype(np.float64), float(pj.sum())
-        out.append(int(_sample(resid / z, rng)))
+        out.append(int(_sample(resid / z, rng.random())))
         return out
-    out.append(int(_sample(p[len(draft_ids)].astype(np.float64), rng)))
+    out.append(int(_sample(p[len(draft_ids)].astype(np.float64), rng.random())))
     return out
 
 
-def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+def verify_coupled(draft_ids: list[int], p: np.ndarray, noise: Callable[[int], np.ndarray]) -> list[int]:
+    """Verification that emits, at each position, the target's draw with that position's own noise,
+    whatever the drafts were: a seeded request's (see ``keyed_noise``).
+
+    draft_ids [k]; p [k+1, V] as in :func:`verify_rejection`; ``noise(j)``: the exponentials [V] of
+    the j-th of those output positions (asked for only up to the first rejection). The token at position j is ``race(p_j, noise_j)``, exactly distributed as p_j;
+    draft x_j is accepted when it is that token. Each emitted token is the one decoding without drafts
+    would draw there, so a seeded request's output does not change with the speculation method, its
+    draft lengths or its batch (up to float rounding of p between batch shapes, which changes a race
+    only where two tokens finish within that rounding of each other).
+
+    The price is acceptance: a draft is accepted with probability P(race(p_j) = x_j), not
+    min(1, p_j/q_j) summed. For a deterministic draft (n-gram, q a point mass) both are p_j(x_j). A
+    sampled draft raced with the same noise over its own q_j (the MTP and draft-model proposers do so
+    for seeded requests) matches with probability at least (1 - TV)/(1 + TV), against rejection
+    sampling's 1 - TV (TV: total variation distance of p_j and q_j).
+    """
+    out: list[int] = []
+    for j, x in enumerate(draft_ids):
+        t = race(p[j], noise(j))
+        out.append(t)
+        if t != int(x):
+            return out
+    out.append(race(p[len(draft_ids)], noise(len(draft_ids))))
+    return out
+
+
+def _sample(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from ``probs`` (need not sum to 1) at the uniform ``u``."""
     cdf = np.cumsum(probs)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     i = min(i, len(probs) - 1)
     while probs[i] <= 0 and i > 0:  # float round-off at the right edge
         i -= 1

@@ -80,6 +80,10 @@ class MTPCall:
     calibration: np.ndarray = field(
         default_factory=lambda: np.zeros((0, 0, 0), np.float32)
     )  # fp32 [2 (greedy, sampled), K, buckets]
+    # A sampled row draws draft j as argmax(q / noise[b, j]) over the target's vocabulary where its
+    # noise is not negative (a seeded request: the exponentials its verification races the target
+    # with, see verify_coupled), else by inverse CDF at uniforms[b, j]. Empty: every row by uniforms.
+    noise: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.float32))  # fp32 [B, K, V]
 
 
 @dataclass

@@ -56,6 +56,9 @@ class MTPRunner:
         h = self.target.config.hidden_size
         if np.shape(call.hidden) != (b, h):
             raise ValueError(f"hidden: shape {np.shape(call.hidden)}, expected ({b}, {h}): one state per row")
+        if np.size(call.noise) and np.shape(call.noise) != (b, big_k, self.vocab_size):
+            want = (b, big_k, self.vocab_size)
+            raise ValueError(f"noise: shape {np.shape(call.noise)}, expected {want}: a draw per row, draft and token")
         want_probs = bool(call.return_probs[0])
         out = MTPResult(
             draft_ids=np.full((b, big_k), -1, np.int64),
@@ -83,7 +86,7 @@ class MTPRunner:
             q = None
             if not all_greedy and not bool((greedy := chain.temp == 0).all()):
                 q = probs_from_logits(logits, chain.temp, chain.top_k, chain.top_p)
-                pick = torch.where(greedy, pick, sample_with_uniforms(q, chain.u[:, i]))
+                pick = torch.where(greedy, pick, self._draw(chain, q, i))
             chain.tok = pick if self.vocab_ids is None else self.vocab_ids[pick]
             out_rows, out_sel = chain.rows, None
             if chain.stop is not None:
@@ -92,6 +95,14 @@ class MTPRunner:
                 self._store_probs(out, i, out_rows, q if out_sel is None else q.index_select(0, out_sel))
             tok = chain.tok if out_sel is None else chain.tok.index_select(0, out_sel)
             out.draft_ids[out_rows, i] = tok.cpu().numpy()
+
+    def _draw(self, chain: _Chain, q: torch.Tensor, i: int) -> torch.Tensor:
+        """Each row's draft ``i`` drawn from ``q`` (over the draft vocabulary): see MTPCall.noise."""
+        drawn = sample_with_uniforms(q, chain.u[:, i])
+        if chain.noise is None:
+            return drawn
+        noise = chain.noise[:, i] if self.vocab_ids is None else chain.noise[:, i].index_select(1, self.vocab_ids)
+        return torch.where(chain.races, (q / noise).argmax(-1), drawn)
 
     def _store_probs(self, out: MTPResult, i: int, rows: np.ndarray, q: torch.Tensor) -> None:
         if self.vocab_ids is None:
@@ -182,6 +193,8 @@ class _Chain:
     top_p: torch.Tensor
     u: torch.Tensor  # [R, K]
     stop: _ConfidenceStop | None
+    noise: torch.Tensor | None = None  # [R, K, V] (see MTPCall.noise)
+    races: torch.Tensor | None = None  # [R] bool: the row draws by its noise
 
     @classmethod
     def start(cls, call: MTPCall, ks: np.ndarray, dev: str) -> _Chain:
@@ -191,6 +204,7 @@ class _Chain:
             return torch.from_numpy(np.ascontiguousarray(np.asarray(a)[rows], dtype=dtype)).to(dev)
 
         stop = _ConfidenceStop(call, rows) if np.asarray(call.calibration).size else None
+        noise = take(call.noise, np.float32) if np.size(call.noise) else None
         return cls(
             rows,
             take(call.hidden, np.float32),
@@ -200,6 +214,8 @@ class _Chain:
             take(call.top_p, np.float32),
             take(call.uniforms, np.float32),
             stop,
+            noise,
+            noise[:, 0, 0] >= 0 if noise is not None else None,
         )
 
     def keep(self, keep: np.ndarray) -> bool:
@@ -212,6 +228,8 @@ class _Chain:
             self.state, self.tok, self.temp, self.top_k, self.top_p, self.u = (
                 t.index_select(0, sel) for t in (self.state, self.tok, self.temp, self.top_k, self.top_p, self.u)
             )
+            if self.noise is not None:
+                self.noise, self.races = self.noise.index_select(0, sel), self.races.index_select(0, sel)
             if self.stop is not None:
                 self.stop.keep(keep)
         return True

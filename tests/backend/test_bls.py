@@ -50,16 +50,17 @@ def config(smoke_model, speculation: str, mtp: str = "lightspec_mtp") -> EngineC
     ("speculation", "mtp"), [("mtp", "lightspec_mtp"), ("mtp", "fused"), ("draft", "fused"), ("none", "fused")]
 )
 def test_engine_over_bls_matches_in_process_engine(smoke_model, speculation, mtp):
-    """Through BLS (the stage profile fetched from the stage, which took it) as in process."""
+    """Through BLS (the stage profile fetched from the stage, which took it) as in process; the
+    seeded sampled request's drafts are drawn with the noise the MTP call carries."""
     cfg = config(smoke_model, speculation, mtp)
     pb = stage_pb(cfg)
     stages = {"target": "lightspec_target", "mtp": "lightspec_mtp", "draft": "lightspec_draft"}
     remote = LLMEngine(cfg, executor=BLSExecutor(stages, pb))
     local = LLMEngine(cfg)
-    params = SamplingParams(max_tokens=12)
+    params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=0.9, seed=3)] * 2
     try:
-        got = remote.generate(PROMPTS, params)
-        want = local.generate(PROMPTS, params)
+        got = remote.generate(PROMPTS + PROMPTS[:1], params)
+        want = local.generate(PROMPTS + PROMPTS[:1], params)
     finally:
         remote.close()
         local.close()

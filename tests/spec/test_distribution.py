@@ -1,8 +1,8 @@
 """Sampled speculative output follows the target distribution (chi-square, fixed seeds).
 
 For a fixed prompt, max_tokens=3: token 1 comes from the prefill, token 2 is the first token that
-speculation can touch (one draft verified by rejection sampling), token 3 is the bonus. The joint
-distribution of (token 1, token 2) over many seeded requests is compared with the exact one
+speculation can touch (one draft verified by rejection sampling or by the race), token 3 is the bonus. The joint
+distribution of (token 1, token 2) over many requests is compared with the exact one
 computed from the target model with the same temperature / top-k transform.
 """
 
@@ -42,7 +42,10 @@ def exact_joint(model: LlamaModel, prompt_ids: list[int], temperature: float, to
 
 @pytest.mark.parametrize("method", ["mtp", "ngram", "draft"])
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (1.0, 5)])
-def test_speculative_sampling_matches_target_distribution(default_model, method, temperature, top_k):
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_speculative_sampling_matches_target_distribution(default_model, method, temperature, top_k, seeded):
+    """Seeded requests are verified by the race with their keyed noise (verify_coupled), the others
+    by rejection sampling with their generator (seeded from the engine seed and the request id)."""
     target = LlamaModel.load(default_model / "target")
     eng = LLMEngine(
         EngineConfig(
@@ -61,7 +64,8 @@ def test_speculative_sampling_matches_target_distribution(default_model, method,
     for i in range(n):
         if i % 10 == 0:
             params.append(SamplingParams(max_tokens=3, ignore_eos=True))
-        params.append(SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=i, ignore_eos=True))
+        seed = i if seeded else None
+        params.append(SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=seed, ignore_eos=True))
     every = eng.generate([prompt_ids] * len(params), params)
     outs = [o for o, p in zip(every, params) if not p.greedy]
     greedy = [o.output_token_ids for o, p in zip(every, params) if p.greedy]

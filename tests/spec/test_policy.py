@@ -251,7 +251,7 @@ def test_fused_heads_run_one_draft_beyond_the_policys_choice():
     ]
     for s in seqs:
         s.num_computed = len(s.token_ids) - 1  # decoding
-    fused = MTPProposer(executor=None, max_k=4, fused=True)
+    fused = MTPProposer(executor=None, max_k=4, vocab_size=16, fused=True)
     inputs = fused.target_inputs(seqs, [True, True, True, True, True], [0, 2, 4, 4, 2])
     # k + 1 up to K; no more than max_tokens leaves room for; a sampled request drafts on the mtp stage
     assert inputs["mtp_drafts"].tolist() == [1, 3, 4, 2, 0] and inputs["return_hidden"][0]

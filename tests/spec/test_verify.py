@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from lightspec_core.spec.sampling import probs_and_max, probs_from_logits, sample_with_uniforms
-from lightspec_core.spec.verify import verify_greedy, verify_rejection
+from lightspec_core.spec.sampling import keyed_noise, probs_and_max, probs_from_logits, race, sample_with_uniforms
+from lightspec_core.spec.verify import verify_coupled, verify_greedy, verify_rejection
 
 
 def test_greedy_accepts_matching_prefix_then_target_token():
@@ -72,6 +72,48 @@ def test_a_proposal_that_is_not_finite_rejects_its_draft_and_draws_from_the_targ
         seed = int(gen.integers(1 << 30))
         out = verify_rejection(drafts, q, p, np.random.default_rng(seed))
         assert out == verify_rejection([], None, p[:1], np.random.default_rng(seed))
+
+
+P = np.array([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+Q = np.array([0.1, 0.1, 0.2, 0.3, 0.2, 0.1])  # a bad proposer, with mass where the target has none
+
+
+@pytest.mark.parametrize("proposer", ["raced from q", "point mass", "uniform at random"])
+def test_coupled_verification_emits_the_draw_without_drafts_so_keeps_the_target_distribution(proposer):
+    """Whatever the drafts, each emitted token is the race of the target's distribution with its
+    position's noise: the token decoding without drafts draws, so exactly distributed as p."""
+    gen = np.random.default_rng(1)
+    n = 20000
+    counts = np.zeros(len(P))
+    accepted = 0
+    for seed in range(n):
+        noise = np.stack([keyed_noise(seed, j, len(P)) for j in range(3)])
+        if proposer == "raced from q":
+            drafts = [race(Q, noise[0]), race(Q, noise[1])]
+        elif proposer == "point mass":
+            drafts = [int(np.argmax(Q))] * 2
+        else:
+            drafts = [int(d) for d in gen.integers(len(P), size=2)]
+        out = verify_coupled(drafts, np.stack([P, P, P]), noise.__getitem__)
+        alone = [race(P, noise[j]) for j in range(len(out))]
+        assert out == alone and out[:-1] == drafts[: len(out) - 1]
+        counts[out[0]] += 1
+        accepted += len(out) > 1  # the first draft was accepted
+    assert counts[-1] == 0, "drew a token the target gives no probability"
+    assert chisquare(counts[:-1], P[:-1] * n).pvalue > 1e-3
+    if proposer == "raced from q":
+        tv = 0.5 * np.abs(P - Q).sum()
+        # the first draft's acceptance: at least (1 - TV)/(1 + TV) for drafts raced with the same noise
+        assert accepted / n > (1 - tv) / (1 + tv)
+
+
+def test_keyed_noise_is_fixed_by_seed_and_position_alone_and_a_shorter_vocabulary_takes_a_prefix():
+    a = keyed_noise(7, 12, 4096)
+    assert np.array_equal(a, keyed_noise(7, 12, 4096)) and (a > 0).all() and a.dtype == np.float32
+    assert not np.array_equal(a, keyed_noise(7, 13, 4096)) and not np.array_equal(a, keyed_noise(8, 12, 4096))
+    # a draft model with fewer padding rows races over a prefix of the target's noise
+    assert np.array_equal(keyed_noise(7, 12, 4000), a[:4000])
+    assert np.array_equal(keyed_noise((1 << 64) - 1, 0, 8), keyed_noise((1 << 64) - 1, 0, 8))
 
 
 def test_chi_square_detects_a_biased_verifier():

@@ -252,6 +252,37 @@ def test_mtp_rows_with_different_depths_equal_each_row_alone(default_model):
     assert not res.draft_probs[:, :, outside].any()
 
 
+def test_mtp_rows_with_noise_race_their_proposal_and_the_others_draw_as_without(default_model):
+    """MTPCall.noise: a sampled row with noise drafts argmax(q / noise) (the race its verification
+    runs over the target's distribution), a row with -1 draws by its uniform as in a call without
+    noise; a noise of another shape is refused naming the field."""
+    from lightspec_core.spec.sampling import keyed_noise, race
+    from lightspec_core.stages.mtp import MTPRunner
+
+    runner = MTPRunner(default_model / "target", default_model / "mtp")
+    rng = np.random.default_rng(1)
+    b, big_k, v = 3, runner.num_heads, runner.vocab_size
+    hidden = rng.standard_normal((b, runner.target.config.hidden_size)).astype(np.float32)
+    last = rng.integers(3, v, b).astype(np.int64)
+    ks, temps = [3, 3, 2], [1.0, 1.0, 0.0]
+    u = rng.random((b, big_k)).astype(np.float32)
+    noise = np.full((b, big_k, v), -1.0, np.float32)
+    noise[0] = np.stack([keyed_noise(5, j, v) for j in range(big_k)])
+    call = _mtp_call(hidden, last, ks, temps, u)
+    call.noise = noise
+    raced = runner.execute(call)
+    plain = runner.execute(_mtp_call(hidden, last, ks, temps, u))
+    assert [race(raced.draft_probs[0, j], noise[0, j]) for j in range(3)] == raced.draft_ids[0, :3].tolist()
+    assert raced.draft_ids[1:].tolist() == plain.draft_ids[1:].tolist()
+    # the same proposals: row 0's first (its later ones follow its own drafts), the others' all
+    np.testing.assert_allclose(raced.draft_probs[0, 0], plain.draft_probs[0, 0], atol=1e-6)
+    np.testing.assert_allclose(raced.draft_probs[1:], plain.draft_probs[1:], atol=1e-6)
+    assert raced.draft_ids[0].tolist() != plain.draft_ids[0].tolist()
+    call.noise = noise[:, :, :-1]
+    with pytest.raises(ValueError, match=rf"^noise: shape \(3, {big_k}, {v - 1}\), expected \(3, {big_k}, {v}\)"):
+        runner.execute(call)
+
+
 @pytest.mark.parametrize("layer", ["native", "torch"])  # cpu_layer's mtp_head, or torch and numpy
 def test_folded_mtp_heads_equal_the_trained_modules(default_model, layer, monkeypatch):
     """The serving form of each MTP head (norm weights folded into the next matrix, the token half
