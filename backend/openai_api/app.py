@@ -24,6 +24,7 @@ from .chat_template import render_chat
 from .convert import (
     Accumulator,
     choice,
+    choice_tensors,
     envelope,
     finish_reason,
     full_response,
@@ -90,57 +91,117 @@ async def _collect(chunks: AsyncIterator[Chunk]) -> Accumulator:
     return acc
 
 
+async def _all(awaitables) -> list:
+    """``asyncio.gather``, except that the first failure (or a cancel) cancels the others and
+    waits for them: each reads a choice's stream, which must not be left running."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) from every stream, in the order they arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, chunks: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in chunks:
+                await queue.put((i, chunk))
+            await queue.put((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which ends the answer with it
+            await queue.put((i, e))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while True:
+                i, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    raise item
+                yield i, item
+    finally:
+        for t in pumps:
+            t.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
 def _event(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def _events(endpoint: str, rid: str, model: str, body, first: Chunk, chunks: AsyncIterator[Chunk]):
-    """The SSE body: one event per response with text, the finish reason on the last, then (with
-    ``include_usage``) a usage event with empty ``choices``; the speculation metrics ride on the
-    final event, as vLLM's do; ``data: [DONE]`` ends it."""
-    created, acc, head = int(time.time()), Accumulator(), endpoint == "chat"
+async def _events(endpoint: str, rid: str, model: str, body, firsts: list[Chunk], streams, n: int):
+    """The SSE body: one event per response with text (its choice's index), the finish reason on
+    each choice's last, then (with ``include_usage``) a usage event with empty ``choices``; the
+    speculation metrics ride on the event that ends the last choice, as vLLM's do; ``data: [DONE]``
+    ends it."""
+    created, accs = int(time.time()), [Accumulator() for _ in streams]
+    head = [endpoint == "chat"] * len(streams)
     continuous = body.include_usage and body.stream_options.continuous_usage_stats  # both, as vLLM asks
+    left = len(streams)
+    merged = _merged([_rest(first, s) for first, s in zip(firsts, streams)])
     try:
-        chunk: Chunk | None = first
-        while chunk is not None:
-            acc.add(chunk)
+        async for i, chunk in merged:
+            accs[i].add(chunk)
             reason = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
-            if chunk.text or reason or head:
+            left -= bool(reason)
+            if chunk.text or reason or head[i]:
                 event = envelope(endpoint, rid, model, created, chunk=True)
-                event["choices"] = [choice(endpoint, chunk.text, reason, delta=True, first=head)]
+                event["choices"] = [choice(endpoint, chunk.text, reason, delta=True, first=head[i], index=i)]
                 if continuous:
-                    event["usage"] = acc.usage()
-                if reason and not body.include_usage:
-                    event["metrics"] = acc.metrics()
-                head = False
+                    event["usage"] = Accumulator.total(accs, n).usage()
+                if reason and not left and not body.include_usage:
+                    event["metrics"] = Accumulator.total(accs, n).metrics()
+                head[i] = False
                 yield _event(event)
-            chunk = await anext(chunks, None)
         if body.include_usage:
+            total = Accumulator.total(accs, n)
             event = envelope(endpoint, rid, model, created, chunk=True)
-            event |= {"choices": [], "usage": acc.usage(), "metrics": acc.metrics()}
+            event |= {"choices": [], "usage": total.usage(), "metrics": total.metrics()}
             yield _event(event)
     except OpenAIError as e:
         yield _event(e.body())
     finally:
-        await chunks.aclose()
+        await merged.aclose()
+        for s in streams:
+            await s.aclose()
     yield b"data: [DONE]\n\n"
 
 
-async def _answer(request: Request, triton: Triton, endpoint: str, model: str, body, tensors):
-    rid = new_id(endpoint)
-    chunks = triton.generate(model, tensors, renamed_fields(body))
+async def _rest(first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """A stream whose first chunk was read already."""
+    yield first
+    async for chunk in chunks:
+        yield chunk
+
+
+async def _answer(request: Request, triton: Triton, endpoint: str, model: str, body, prompts: list[dict]):
+    """Every prompt's ``n`` choices, each a request of its own (``choice_tensors``)."""
+    rid, n = new_id(endpoint), body.n or 1
+    streams = [triton.generate(model, choice_tensors(t, j), renamed_fields(body)) for t in prompts for j in range(n)]
     try:
         if not body.stream:
-            return JSONResponse(full_response(endpoint, rid, body.model, await _unless_gone(request, _collect(chunks))))
-        # the first response decides the HTTP status: Triton answers a bad request with an error first
-        first = await _unless_gone(request, anext(chunks))
+            accs = await _unless_gone(request, _all(_collect(s) for s in streams))
+            return JSONResponse(full_response(endpoint, rid, body.model, accs, n))
+        # the first responses decide the HTTP status: Triton answers a bad request with an error first
+        firsts = await _unless_gone(request, _all(anext(s) for s in streams))
     except _Gone:
-        await chunks.aclose()
+        await _close(streams)
         return JSONResponse(OpenAIError("client disconnected", 499, code="cancelled").body(), 499)
     except BaseException:
-        await chunks.aclose()
+        await _close(streams)
         raise
-    return EventStream(_events(endpoint, rid, body.model, body, first, chunks))
+    return EventStream(_events(endpoint, rid, body.model, body, firsts, streams, n))
+
+
+async def _close(streams) -> None:
+    for s in streams:
+        await s.aclose()
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -179,8 +240,7 @@ def _info_routes(app: FastAPI, triton: Triton) -> None:
 def _generation_routes(app: FastAPI, triton: Triton) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompt = body.single_prompt()
-        tensors = request_tensors(prompt, body)
+        tensors = [request_tensors(prompt, body) for prompt in body.prompts()]
         served = await triton.find(body.model)
         return await _answer(request, triton, "completions", served.name, body, tensors)
 
@@ -193,7 +253,7 @@ def _generation_routes(app: FastAPI, triton: Triton) -> None:
             served.model_dir, messages, body.add_generation_prompt, body.continue_final_message,
             body.chat_template_kwargs,
         )  # fmt: skip
-        return await _answer(request, triton, "chat", served.name, body, request_tensors(prompt, body))
+        return await _answer(request, triton, "chat", served.name, body, [request_tensors(prompt, body)])
 
 
 def create_app(

@@ -107,6 +107,14 @@ def request_tensors(prompt: str | list[int], req: CompletionRequest | ChatComple
     return tensors
 
 
+def choice_tensors(tensors: dict[str, object], j: int) -> dict[str, object]:
+    """The tensors of a prompt's ``j``-th choice (``n``): a seeded request's choice j has seed + j,
+    as vLLM seeds it, so that its choices differ and each is reproducible."""
+    if j == 0 or "seed" not in tensors:
+        return tensors
+    return tensors | {"seed": (tensors["seed"] + j) % (1 << 64)}
+
+
 def finish_reason(reason: str) -> str | None:
     """OpenAI's finish reason for LightSpec's (``length``, ``stop``; others are not OpenAI's)."""
     return reason if reason in ("length", "stop") else (reason or None)
@@ -133,6 +141,20 @@ class Accumulator:
         self.num_accepted_tokens = max(self.num_accepted_tokens, chunk.num_accepted_tokens)
         if chunk.acceptance_histogram:
             self.acceptance_histogram = chunk.acceptance_histogram
+
+    @classmethod
+    def total(cls, accs: list[Accumulator], n: int) -> Accumulator:
+        """What a request's choices add up to; ``n`` choices share each prompt, counted once."""
+        out = cls(prompt_tokens=sum(a.prompt_tokens for a in accs[::n]))
+        for a in accs:
+            out.completion_tokens += a.completion_tokens
+            out.num_draft_tokens += a.num_draft_tokens
+            out.num_accepted_tokens += a.num_accepted_tokens
+            hist = out.acceptance_histogram
+            hist.extend([0] * (len(a.acceptance_histogram) - len(hist)))
+            for j, v in enumerate(a.acceptance_histogram):
+                hist[j] += v
+        return out
 
     def usage(self) -> dict[str, int]:
         return {
@@ -175,20 +197,26 @@ def envelope(endpoint: str, rid: str, model: str, created: int | None = None, ch
     }
 
 
-def choice(endpoint: str, text: str, reason: str | None, delta: bool = False, first: bool = False) -> dict:
+def choice(
+    endpoint: str, text: str, reason: str | None, delta: bool = False, first: bool = False, index: int = 0
+) -> dict:
     """One ``choices`` entry: a text completion's, a chat message, or a chat stream delta."""
     if endpoint != "chat":
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
     if delta:
         d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": d, "logprobs": None, "finish_reason": reason}
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
 
-def full_response(endpoint: str, rid: str, model: str, acc: Accumulator) -> dict:
-    """A non-streamed answer."""
+def full_response(endpoint: str, rid: str, model: str, accs: list[Accumulator], n: int) -> dict:
+    """A non-streamed answer: choice i is prompt i // n's (i % n)-th."""
     body = envelope(endpoint, rid, model)
-    body["choices"] = [choice(endpoint, "".join(acc.text), finish_reason(acc.finish_reason))]
-    body["usage"] = acc.usage()
-    body["metrics"] = acc.metrics()
+    body["choices"] = [
+        choice(endpoint, "".join(a.text), finish_reason(a.finish_reason), index=i) for i, a in enumerate(accs)
+    ]
+    total = Accumulator.total(accs, n)
+    body["usage"] = total.usage()
+    body["metrics"] = total.metrics()
     return body

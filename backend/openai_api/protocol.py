@@ -3,7 +3,7 @@
 Every field the OpenAI API defines for ``/v1/completions`` and ``/v1/chat/completions`` is accepted
 by name. Fields LightSpec honours are used; fields that change nothing at their neutral value
 (``frequency_penalty=0``, ``user``, ``metadata``) are ignored; a field set to a value LightSpec
-cannot honour (``n=2``, ``logprobs``, tools) is refused with a 400 naming it, and so is a field the
+cannot honour (``logprobs``, tools) is refused with a 400 naming it, and so is a field the
 API does not define. A few extensions that vLLM's server also takes (``top_k``, ``ignore_eos``,
 ``min_tokens``, ``stream_interval``, ``add_special_tokens``) and LightSpec's own ``num_draft_tokens``
 and ``priority`` are accepted too, and vLLM's other sampling extensions at their neutral value. ``add_special_tokens`` has vLLM's defaults: true for a completion's
@@ -72,8 +72,8 @@ class _Common(BaseModel):
             value = getattr(self, name)
             if value is not None and value != NEUTRAL_KEYS[name]:
                 raise OpenAIError(f"{name}={value!r}: not supported (only {NEUTRAL_KEYS[name]!r})", param=name)
-        if self.n not in (None, 1):
-            raise OpenAIError(f"n={self.n}: only n=1 is supported", param="n")
+        if self.n is not None and self.n < 1:
+            raise OpenAIError(f"n={self.n}: must be at least 1", param="n")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise OpenAIError(f"{name}: not supported (only 0)", param=name)
@@ -125,16 +125,16 @@ class CompletionRequest(_Common):
         if self.suffix:
             raise OpenAIError("suffix: not supported", param="suffix")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt this request carries (text or token ids); a batch of prompts is refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this request carries, each text or token ids: one, or a batch."""
         p = self.prompt
         if isinstance(p, str):
-            return p
-        if p and all(isinstance(t, int) for t in p):
-            return list(p)
-        if len(p) == 1:
-            return p[0]
-        raise OpenAIError("prompt: only one prompt per request is supported", param="prompt")
+            return [p]
+        if not p:
+            raise OpenAIError("prompt: an empty list", param="prompt")
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return list(p)
 
 
 class ContentPart(BaseModel):

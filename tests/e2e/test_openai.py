@@ -144,6 +144,39 @@ def test_seed_and_sampling_fields_reach_triton(client, server):
     assert other.choices[0].text != got.choices[0].text
 
 
+def test_a_batch_of_prompts_with_n_choices_each_is_every_choice_as_its_own_request(client, default_model):
+    """Choice i is prompt i // n's (i % n)-th, sampled with seed + i % n as vLLM seeds it: the same
+    tokens as that prompt asked alone with that seed (seeded sampling does not depend on the batch)."""
+    prompts = [PROMPT, "import os\n"]
+    kw = {"temperature": 1.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    r = client.completions.create(model="lightspec", prompt=prompts, n=2, seed=5, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(model="lightspec", prompt=p, seed=5 + j, **kw) for p in prompts for j in (0, 1)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.choices[0].text != r.choices[1].text
+    assert r.usage.prompt_tokens == sum(prompt_tokens(p, default_model / "target") for p in prompts)
+    assert r.usage.completion_tokens == 4 * 12
+    check_spec_metrics(r.model_dump())
+
+
+def test_streamed_chat_choices_interleave_by_index_each_with_its_role_and_finish(chat_client):
+    messages = [{"role": "user", "content": PROMPT}]
+    kw = {"model": "lightspec", "messages": messages, "max_tokens": 10, "temperature": 0.8, "seed": 9, "n": 3}
+    whole = chat_client.chat.completions.create(**kw)
+    stream = chat_client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    per = {i: [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i] for i in range(3)}
+    assert all(len(c.choices) <= 1 for c in chunks) and sum(map(len, per.values())) == len(chunks) - 1
+    for i, parts in per.items():
+        assert parts[0].delta.role == "assistant" and [p.finish_reason for p in parts].count("length") == 1
+        assert parts[-1].finish_reason == "length"
+        assert "".join(p.delta.content or "" for p in parts) == whole.choices[i].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 30
+    one = chat_client.chat.completions.create(**{**kw, "n": 1})  # the prompt counts once
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens == one.usage.prompt_tokens
+    assert one.choices[0].message.content == whole.choices[0].message.content
+
+
 def test_min_tokens_keeps_a_completion_going_past_its_end_token(client):
     prompt = 'if __name__ == "__main__":\n    main()\n'  # the embedded model ends this at once
     plain = client.completions.create(model="lightspec", prompt=prompt, max_tokens=8, temperature=0)
@@ -178,7 +211,7 @@ def test_continuous_usage_comes_with_include_usage_only_as_in_vllm(client):
 
 @pytest.mark.parametrize(
     ("kw", "field"),
-    [({"temperature": -1}, "temperature"), ({"n": 2}, "n"), ({"max_tokens": 5000}, "max_tokens"),
+    [({"temperature": -1}, "temperature"), ({"n": 0}, "n"), ({"max_tokens": 5000}, "max_tokens"),
      ({"logprobs": 2}, "logprobs")],
 )  # fmt: skip
 def test_bad_values_are_bad_request_errors_naming_the_field(client, kw, field):

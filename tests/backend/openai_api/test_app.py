@@ -30,7 +30,8 @@ def error(r, status: int) -> dict:
     ("path", "body", "param"),
     [
         ("/v1/completions", {"model": "lightspec", "prompt": "x", "temperature": -1}, "temperature"),
-        ("/v1/completions", {"model": "lightspec", "prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"model": "lightspec", "prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"model": "lightspec", "prompt": []}, "prompt"),
         ("/v1/completions", {"model": "lightspec", "prompt": "x", "best_of": 2}, "best_of"),
         ("/v1/completions", {"model": "lightspec", "prompt": "x", "guided_regex": "a+"}, "guided_regex"),
         ("/v1/completions", {"prompt": "x"}, "model"),
@@ -119,6 +120,38 @@ def test_the_prompt_reaches_triton_with_add_special_tokens_true_for_completions_
     ]:
         client.post(path, json=body)
         assert sent[-1]["add_special_tokens"] is want, (path, body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_refused_ends_the_answer_with_its_error_and_closes_every_choices_stream(tmp_path, stream):
+    """n=3: the choice with seed 2 is refused while the others still generate; the answer is its
+    400, and the other choices' Triton streams are closed (their requests cancelled), not left open."""
+    import asyncio
+
+    from lightspec_backend.openai_api.errors import from_triton
+    from lightspec_backend.openai_api.triton import Chunk, ServedModel
+
+    app, closed = create_app("127.0.0.1:1"), []
+
+    async def find(name):
+        return ServedModel("lightspec", tmp_path)
+
+    async def generate(model, tensors, renamed=None):
+        try:
+            if tensors["seed"] == 2:
+                await asyncio.sleep(0.05)
+                raise from_triton("top_k=7: refused by the test", None, renamed)
+            while True:  # generates until its stream is closed
+                yield Chunk("a", "", 3, 1, 0, 0, [])
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append(tensors["seed"])
+
+    app.state.triton.find, app.state.triton.generate = find, generate
+    body = {"model": "lightspec", "prompt": "x", "n": 3, "seed": 0, "stream": stream}
+    with TestClient(app) as client:
+        err = error(client.post("/v1/completions", json=body), 400)
+    assert err["param"] == "top_k" and sorted(closed) == [0, 1, 2]
 
 
 def test_a_port_in_use_fails_start_naming_the_port_and_the_way_out():

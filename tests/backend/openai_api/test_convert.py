@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lightspec_backend.openai_api.convert import Accumulator, request_tensors, sampling_tensors
+from lightspec_backend.openai_api.convert import Accumulator, choice_tensors, request_tensors, sampling_tensors
 from lightspec_backend.openai_api.errors import OpenAIError
 from lightspec_backend.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from lightspec_backend.openai_api.triton import Chunk
@@ -21,7 +21,8 @@ def chat(**kw) -> ChatCompletionRequest:
 def test_completion_maps_every_sampling_field_to_its_tensor():
     req = completion(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=["\n\n", "END"], stream=True, top_k=4,
                      ignore_eos=True, num_draft_tokens=2, stream_interval=5)  # fmt: skip
-    t = request_tensors(req.single_prompt(), req)
+    (prompt,) = req.prompts()
+    t = request_tensors(prompt, req)
     assert t == {
         "text_input": "def f():", "add_special_tokens": True, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
         "stop_words": ["\n\n", "END"], "stream": True, "top_k": 4, "ignore_eos": True, "num_draft_tokens": 2,
@@ -41,11 +42,24 @@ def test_openai_defaults_sampling_at_temperature_one_and_16_completion_tokens():
 
 def test_a_single_stop_string_and_token_id_prompts():
     req = completion(prompt=[5, 6, 7], stop="\n")
-    t = request_tensors(req.single_prompt(), req)
+    (prompt,) = req.prompts()
+    t = request_tensors(prompt, req)
     assert t["input_ids"] == [5, 6, 7] and "text_input" not in t and t["stop_words"] == ["\n"]
-    assert completion(prompt=["only one"]).single_prompt() == "only one"
-    with pytest.raises(OpenAIError, match="^prompt: only one prompt"):
-        completion(prompt=["a", "b"]).single_prompt()
+    assert completion(prompt=["only one"]).prompts() == ["only one"]
+    assert completion(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert completion(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    with pytest.raises(OpenAIError, match="^prompt: an empty list"):
+        completion(prompt=[]).prompts()
+
+
+def test_a_seeded_requests_choices_take_seed_plus_their_index_as_vllm_does():
+    t = request_tensors("x", completion(seed=(1 << 64) - 1, n=3))
+    assert [choice_tensors(t, j).get("seed") for j in range(3)] == [(1 << 64) - 1, 0, 1]
+    assert choice_tensors(t, 0) is t and t["seed"] == (1 << 64) - 1
+    unseeded = request_tensors("x", completion(n=2))
+    assert choice_tensors(unseeded, 1) == unseeded and "seed" not in unseeded
+    with pytest.raises(OpenAIError, match="^n=0: must be at least 1"):
+        sampling_tensors(completion(n=0))
 
 
 def test_a_completion_adds_special_tokens_and_chat_does_not_unless_the_request_says_otherwise():
@@ -82,7 +96,7 @@ def test_chat_max_completion_tokens_wins_over_max_tokens_as_in_vllm():
         ({"stream_interval": 0}, "stream_interval"),
         ({"seed": 1 << 64}, "seed"),
         ({"stop": [""]}, "stop"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"logprobs": 1}, "logprobs"),
         ({"best_of": 3}, "best_of"),
         ({"echo": True}, "echo"),
@@ -147,7 +161,7 @@ def test_top_k_minus_one_is_vllms_off():
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"n": 3}, "n"),
+        ({"n": -1}, "n"),
     ],
 )
 def test_chat_fields_lightspec_cannot_honour_are_refused_by_name(kw, param):
@@ -191,6 +205,19 @@ def test_accumulated_usage_and_speculation_metrics_in_vllm_form():
     assert sum(j * c for j, c in enumerate(spec["acceptance_histogram"])) == spec["num_accepted_draft_tokens"] == 4
     assert spec["num_draft_tokens"] == 6 and spec["draft_acceptance_rate"] == pytest.approx(4 / 6)
     assert spec["mean_acceptance_length"] == pytest.approx(1 + 4 / 2)
+
+
+def test_the_total_of_choices_counts_each_prompt_once_and_sums_the_rest():
+    accs = [Accumulator() for _ in range(4)]  # two prompts, n=2
+    for i, a in enumerate(accs):
+        a.add(
+            chunk("t", "stop", n_in=10 * (1 + i // 2), n_out=i + 1, drafted=2, accepted=i % 2, hist=[1 - i % 2, i % 2])
+        )
+    total = Accumulator.total(accs, 2)
+    assert total.usage() == {"prompt_tokens": 30, "completion_tokens": 10, "total_tokens": 40}
+    spec = total.metrics()["speculative_decoding"]
+    assert spec["acceptance_histogram"] == [2, 2] and spec["num_accepted_draft_tokens"] == 2
+    assert spec["num_draft_tokens"] == 8
 
 
 def test_metrics_without_speculation_are_all_zero_steps():
