@@ -4,7 +4,7 @@ python tools/compare_hf.py [--model-dir DIR] [--num-prompts 8] [--max-tokens 64]
 
 Systems (``--systems``, default all):
 
-- ``hf``: ``LlamaForCausalLM.generate`` without speculation (the reference output);
+- ``hf``: ``AutoModelForCausalLM.generate`` (the checkpoint's own family) without speculation (the reference output);
 - ``hf_assisted``: ``generate(..., assistant_model=draft)`` with the draft model's
   ``num_assistant_tokens_schedule = "heuristic"`` (HF's own adaptive draft length);
 - ``hf_prompt_lookup``: ``generate(..., prompt_lookup_num_tokens=K)`` (prompt-lookup decoding);
@@ -77,14 +77,14 @@ def hf_systems(
 ) -> dict[str, Callable[[list[int]], list[int]]]:
     import torch
     import transformers
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    target = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     kwargs: dict[str, dict] = {"hf": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}}
     if "hf_assisted" in names:
-        draft = LlamaForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+        draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
         draft.generation_config.num_assistant_tokens_schedule = "heuristic"
         if num_draft_tokens:
             draft.generation_config.num_assistant_tokens = num_draft_tokens

@@ -22,14 +22,16 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    """The safetensors files of a checkpoint: ``model.safetensors`` where there is one (transformers
+    loads it before an index beside it), else the shards ``model.safetensors.index.json`` lists."""
     single = model_dir / "model.safetensors"
-    if not single.exists():
+    if single.exists():
+        return [single]
+    index = model_dir / "model.safetensors.index.json"
+    if not index.exists():
         raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-    return [single]
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return [model_dir / name for name in sorted(set(weight_map.values()))]
 
 
 def read_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ exact only within a context            sliding_window (mistral; qwen2/3 with use
                                        is at least the served context (it then masks nothing),
                                        refused otherwise; rope type dynamic: exact up to
                                        max_position_embeddings, past which the engine never serves
-allowed one value                      hidden_act: silu; partial_rotary_factor: 1.0
+allowed one value                      hidden_act: silu; partial_rotary_factor: 1.0; is_causal: true
 accepted, no effect on the math        ACCEPTED below (ids, dtype, bookkeeping, dropout)
 refused                                any other field that is set (not null, false, 0 or
                                        empty): quantization_config, auto_map, softcapping, a
@@ -65,8 +65,12 @@ ACCEPTED = frozenset(
         "_name_or_path",
         "tokenizer_class",
         "task_specific_params",
+        "is_llama_config",  # SmolLM2's configs: transformers reads neither
+        "_attn_implementation_autoset",
     }
 )
+# fields accepted at one value only: another one changes the math where transformers reads it
+ONE_VALUE = {"is_causal": True}  # otherwise transformers 5 attends bidirectionally
 # read by rope.parse_rope, which refuses what it does not implement
 ROPE_FIELDS = frozenset(
     {"rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings", "partial_rotary_factor"}
@@ -213,9 +217,13 @@ class LlamaConfig:
         model_type = _family_of(raw)
         family = FAMILIES[model_type]
         for key, value in raw.items():
-            if value and key not in family.defaults and key not in ACCEPTED and key not in ROPE_FIELDS:
+            if key in ONE_VALUE:
+                if value is not ONE_VALUE[key]:
+                    raise refused(key, value, f"only {ONE_VALUE[key]!r}: causal attention")
+            elif value and key not in family.defaults and key not in ACCEPTED and key not in ROPE_FIELDS:
                 raise refused(key, value, f"a field LightSpec's {model_type} model does not implement")
         v = {k: raw.get(k, default) for k, default in family.defaults.items()}
+        _check_numbers(v)
         if v["hidden_act"] != "silu":
             raise refused("hidden_act", v["hidden_act"], "the MLP is SwiGLU: silu only")
         rope_theta, scaling = parse_rope(raw, v["max_position_embeddings"])
@@ -313,6 +321,23 @@ def _sliding(model_type: str, v: dict) -> tuple[int | None, tuple[int, ...]]:
         raise refused("layer_types", types, f"{n} entries of {' or '.join(_LAYER_TYPES)}")
     layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window is not None else ()
     return (window if layers else None), layers
+
+
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_numbers(v: dict) -> None:
+    """Sizes are positive integers, ``rms_norm_eps`` a number >= 0: a null or a string there would
+    otherwise fail (or change the math) deep in the runner, not naming the field."""
+    for key in (*_SIZES, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = v.get(key)
+        if value is None and key in ("num_key_value_heads", "head_dim"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise refused(key, value, "a positive integer")
+    eps = v["rms_norm_eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise refused("rms_norm_eps", eps, "a number >= 0")
 
 
 def _ids(value) -> tuple[int, ...]:

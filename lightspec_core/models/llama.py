@@ -328,6 +328,8 @@ class LlamaModel(nn.Module):
         # rope frequencies are the config's to derive, whatever an old checkpoint stored of them
         state = {k: v for k, v in read_weights(model_dir, dt).items() if not k.endswith("rotary_emb.inv_freq")}
         head = state.get("lm_head.weight")
+        if cfg.tie_word_embeddings and head is not None and "model.embed_tokens.weight" not in state:
+            state["model.embed_tokens.weight"] = head  # a tied checkpoint may store the matrix as the head only
         if cfg.tie_word_embeddings and head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
             # transformers keeps a checkpoint's own LM head where it differs from the embedding
             cfg = replace(cfg, tie_word_embeddings=False)

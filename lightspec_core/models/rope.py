@@ -72,7 +72,7 @@ class RopeScaling:
     beta_slow: float | None = None  # yarn: None is 1
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
-    truncate: bool | None = None  # yarn: None is True
+    truncate: bool | None = None  # yarn: None (absent) is True
 
     def to_hf(self) -> dict:
         """The hub's ``rope_scaling`` dict, which transformers 4 and 5 both read."""
@@ -95,7 +95,10 @@ def parse_rope(raw: dict, max_position_embeddings: int) -> tuple[float, RopeScal
     """(rope_theta, scaling or None for the default rope) from a config.json dict."""
     source = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", DEFAULT_THETA)))
+    theta = params.pop("rope_theta", raw.get("rope_theta", DEFAULT_THETA))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise refused("rope_theta", theta, "a positive number")
+    theta = float(theta)
     rope_type = params.pop("rope_type", None) or params.get("type") or "default"
     params.pop("type", None)
     for where, value in (
@@ -120,6 +123,8 @@ def parse_rope(raw: dict, max_position_embeddings: int) -> tuple[float, RopeScal
         params["original_max_position_embeddings"] = int(
             top or params.get("original_max_position_embeddings") or max_position_embeddings
         )
+        if "truncate" in params:  # transformers reads a null truncate as false: no rounding of the ramp
+            params["truncate"] = bool(params["truncate"])
         if rope_type == "yarn" and params.get("factor") is None:
             params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
     return theta, RopeScaling(rope_type, **params)

@@ -30,3 +30,13 @@ def test_integer_weights_and_unknown_dtypes_are_refused(tmp_path):
         resolve_dtype("float64")
     with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
         read_weights(tmp_path / "nothing", torch.float32)
+
+
+def test_a_single_file_beside_an_index_is_the_one_read_as_transformers_reads_it(tmp_path):
+    from tests.models.test_llama import max_diff_against_transformers
+
+    model_dir = save_hf_checkpoint(tmp_path, *CASES["qwen3"][:2], shard=True)
+    shards = read_weights(model_dir, torch.float32)
+    save_file({k: v * 0.5 for k, v in shards.items()}, model_dir / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(read_weights(model_dir, torch.float32)["model.norm.weight"], shards["model.norm.weight"] * 0.5)
+    assert max_diff_against_transformers(model_dir) < 1e-4

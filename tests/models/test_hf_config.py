@@ -62,6 +62,12 @@ def _refusal(tmp_path, raw: dict, max_context: int | None = None) -> str:
         ({"model_type": "gemma"}, "config.json: model_type=gemma: not supported"),
         ({"head_dim": 15}, "config.json: head_dim=15: not supported (rotary embeddings need an even head dimension)"),
         ({"architectures": ["LlamaForSequenceClassification"]}, "config.json: architectures="),
+        # transformers 5 attends bidirectionally unless is_causal is true (None included)
+        ({"is_causal": False}, "config.json: is_causal=False: not supported (only True: causal attention)"),
+        ({"is_causal": None}, "config.json: is_causal=None: not supported"),
+        ({"rms_norm_eps": None}, "config.json: rms_norm_eps=None: not supported (a number >= 0)"),
+        ({"num_hidden_layers": None}, "config.json: num_hidden_layers=None: not supported (a positive integer)"),
+        ({"hidden_size": "64"}, "config.json: hidden_size=64: not supported (a positive integer)"),
     ],
 )
 def test_unsupported_llama_config_fails_at_load_naming_the_field(tmp_path, extra, message):
@@ -94,6 +100,17 @@ def test_unknown_fields_are_refused_only_when_set(tmp_path):
     assert cfg.model_type == "mistral" and not cfg.qkv_bias
     with pytest.raises(ValueError, match="config.json: attention_bias=True: not supported"):
         LlamaConfig.from_hf_dict({**raw, "attention_bias": True})  # transformers' Mistral has no biases
+
+
+def test_fields_transformers_reads_to_no_effect_are_accepted():
+    raw = {"model_type": "llama", **BASE}
+    flags = {
+        "is_causal": True,
+        "is_llama_config": True,
+        "_attn_implementation_autoset": True,
+        "rope_interleaved": False,
+    }
+    assert LlamaConfig.from_hf_dict({**raw, **flags}) == LlamaConfig.from_hf_dict(raw)
 
 
 def test_missing_fields_take_the_family_defaults():

@@ -195,3 +195,14 @@ def test_a_tied_config_with_its_own_lm_head_in_the_checkpoint_keeps_it_as_transf
     save_file(state, model_dir / "model.safetensors", metadata={"format": "pt"})
     assert not LlamaModel.load(model_dir).config.tie_word_embeddings
     assert max_diff_against_transformers(model_dir) < 1e-4
+
+
+def test_a_tied_checkpoint_storing_the_matrix_as_the_lm_head_only_loads_as_transformers_loads_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save_hf_checkpoint(tmp_path, "llama", {"tie_word_embeddings": True})
+    state = load_file(model_dir / "model.safetensors")
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, model_dir / "model.safetensors", metadata={"format": "pt"})
+    assert LlamaModel.load(model_dir).config.tie_word_embeddings
+    assert max_diff_against_transformers(model_dir) < 1e-4

@@ -28,6 +28,7 @@ CONFIGS = {
     },
     "yarn": {"rope_scaling": YARN},
     "yarn, attention factor, no truncation": {"rope_scaling": {**YARN, "attention_factor": 1.3, "truncate": False}},
+    "yarn, null truncation (no rounding)": {"rope_scaling": {**YARN, "truncate": None}},
     "yarn, mscale": {
         "rope_theta": 1e6,
         "rope_scaling": {**YARN, "mscale": 0.707, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2},
@@ -84,6 +85,8 @@ def test_cos_sin_equal_transformers(name):
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "mrope_section": [1]}}, "rope_scaling.mrope_section="),
         ({"rope_scaling": {"rope_type": "default", "factor": 2.0}}, "rope_scaling.factor=2.0"),
+        ({"rope_theta": None}, "rope_theta=None"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "rope_theta=1e4"),
     ],
 )
 def test_unimplemented_rope_is_refused_naming_the_field(raw, field):

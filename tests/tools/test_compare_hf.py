@@ -45,3 +45,18 @@ def test_all_systems_match_transformers_greedy_on_the_smoke_model(smoke_model, t
         assert s["tokens"] > 0 and s["tokens_per_s"] > 0
     assert {(p["lightspec"], p["hf"]) for p in doc["pairs"]} == set(compare_hf.PAIRS)
     assert doc["meta"]["argv"] == argv
+
+
+def test_the_reference_is_the_checkpoints_own_family(smoke_model, tmp_path):
+    """A Qwen2 checkpoint's reference keeps its q/k/v biases (a Llama class would drop them)."""
+    import shutil
+
+    import numpy as np
+
+    from tests.models.factories import CASES, save_hf_checkpoint
+
+    model_dir = save_hf_checkpoint(tmp_path, CASES["qwen2"][0], {**CASES["qwen2"][1], "vocab_size": 4096})
+    shutil.copy(smoke_model / "target" / "tokenizer.json", model_dir / "tokenizer.json")
+    prompts = [np.random.default_rng(i).integers(3, 4096, 30).tolist() for i in range(2)]
+    res = compare_hf.compare(model_dir, prompts, 8, systems=["hf", "lightspec_none"], log=lambda *a: None)
+    assert compare_hf.mismatches(res["lightspec_none"], res["hf"]) == []
