@@ -99,19 +99,21 @@ def _repository(args) -> Path:
     return write_model_repository(Path(tempfile.mkdtemp(dir=default_cache_dir() / "repositories")), overrides)
 
 
-def _generated(repo: Path) -> bool:
-    return repo.parent == default_cache_dir() / "repositories"
+def _generated(args, repo: Path) -> bool:
+    """Whether this run wrote ``repo`` (a --model-repository is the user's, wherever it lies: one
+    another serve generated is that serve's to remove)."""
+    return not args.model_repository and repo.parent == default_cache_dir() / "repositories"
 
 
-def _remove_generated(repo: Path) -> None:
-    if _generated(repo):
+def _remove_generated(args, repo: Path) -> None:
+    if _generated(args, repo):
         shutil.rmtree(repo, ignore_errors=True)
 
 
-def _named_for_serve(message: str, repo: Path) -> str:
+def _named_for_serve(message: str, args, repo: Path) -> str:
     """A generated repository is gone by the time its error is read: name the model instead of its
     config.pbtxt (the parameter and value, which the message names, are what --set gave)."""
-    if not _generated(repo):
+    if not _generated(args, repo):
         return message
     message = re.sub(rf"{re.escape(str(repo))}/([^/\s]+)/config\.pbtxt", r"model \1", message)
     return message.replace(str(repo), "the generated repository")
@@ -200,7 +202,7 @@ def serve(args) -> int:
     try:
         return _serve_repository(args, repo)
     finally:
-        _remove_generated(repo)
+        _remove_generated(args, repo)
 
 
 def _serve_repository(args, repo: Path) -> int:
@@ -208,9 +210,9 @@ def _serve_repository(args, repo: Path) -> int:
 
     try:
         for note in validate_repository(repo):
-            print(_named_for_serve(note, repo), flush=True)
+            print(_named_for_serve(note, args, repo), flush=True)
     except ValueError as e:
-        print(f"lightspec serve: {_named_for_serve(str(e), repo)}", file=sys.stderr)
+        print(f"lightspec serve: {_named_for_serve(str(e), args, repo)}", file=sys.stderr)
         return 2
     try:
         server = _server(args, repo)

@@ -76,9 +76,34 @@ def stub_processes(server_pid: int) -> list[StubProcess]:
     return out
 
 
-def _orphaned_stubs(server_pid: int) -> list[int]:
-    """Live stubs still in a stopped server's process group (they ignore SIGTERM)."""
-    return [s.pid for s in stub_processes(server_pid) if s.alive]
+def _group_left(server_pid: int) -> list[int]:
+    """Live processes still in a stopped server's process group: its Python backend stubs (they
+    ignore SIGTERM) and what they started, such as an orchestrator's engine processes."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            state, _, pgrp = text[text.rindex(")") + 2 :].split()[:3]
+            if int(pgrp) == server_pid and state not in "ZX":
+                out.append(int(stat.parent.name))
+    return out
+
+
+PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
+
+
+def ports_in_use(ports: dict[str, int]) -> list[str]:
+    """The ``name=port`` of each port another socket listens on. A server that cannot bind a port
+    exits, but its readiness check would be answered by whoever holds the port."""
+    taken = []
+    for name, port in ports.items():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to a server
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                taken.append(f"{name}={port}")
+    return taken
 
 
 def remove_shm_regions(prefix: str) -> list[str]:
@@ -202,6 +227,12 @@ class TritonServer:
         for attempt in range(3 if pick else 1):
             fresh = iter(free_ports(3))
             self.http_port, self.grpc_port, self.metrics_port = (p or next(fresh) for p in self.requested_ports)
+            chosen = (self.http_port, self.grpc_port, self.metrics_port)
+            asked = {flag: p for flag, p, r in zip(PORT_FLAGS, chosen, self.requested_ports) if r}
+            if taken := ports_in_use(asked):
+                raise RuntimeError(
+                    f"port in use: {', '.join(taken)} (another server listens there; 0 picks a free one)"
+                )
             self._spawn(backend_dir, env)
             try:
                 self.wait_ready(timeout_s)
@@ -263,9 +294,9 @@ class TritonServer:
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGINT (Triton's graceful shutdown: finishes in-flight requests, unloads models), then
-        SIGKILL after ``timeout_s``. Only this server's own pid is signalled, and then any Python
-        backend stub it leaves behind (a server that crashed or was killed orphans its stubs, which
-        ignore SIGTERM). Returns the exit code."""
+        SIGKILL after ``timeout_s``. Only this server's own pid is signalled, and then whatever it
+        leaves in its process group (a server that crashed or was killed orphans its stubs, which
+        ignore SIGTERM, and their engine processes). Returns the exit code."""
         p = self.process
         if p is None:
             return None
@@ -278,12 +309,12 @@ class TritonServer:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
                 p.wait()
-        orphans = _orphaned_stubs(p.pid)
+        orphans = _group_left(p.pid)
         for pid in orphans:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while orphans and _orphaned_stubs(p.pid) and time.monotonic() < deadline:
+        while orphans and _group_left(p.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         # a crashed server, or one whose stub was killed, never unlinks the regions it shared
         remove_shm_regions(self.shm_prefix)

@@ -248,6 +248,20 @@ def test_serve_names_a_bad_set_by_model_and_parameter_not_by_the_generated_file_
     assert str(tmp_path) not in err and not any((tmp_path / "repositories").iterdir())
 
 
+def test_serve_leaves_a_model_repository_it_was_given_even_in_the_generated_repositories_folder(
+    tmp_path, capsys, monkeypatch
+):
+    """A repository another serve generated (its path is printed) is that serve's: passed with
+    --model-repository, a failing serve must not remove it and names its file."""
+    from lightspec_backend.repository import write_model_repository
+
+    monkeypatch.setenv("LIGHTSPEC_CACHE", str(tmp_path))
+    repo = write_model_repository(tmp_path / "repositories" / "other", {"speculation": "eagle"})
+    assert cli.main(["serve", "--model-repository", str(repo), "--no-openai"]) == 2
+    assert str(repo / "lightspec" / "config.pbtxt") in capsys.readouterr().err
+    assert (repo / "lightspec" / "config.pbtxt").is_file()
+
+
 def test_serve_starts_tritonserver_forwarding_the_headers_the_orchestrator_leaves_alone(tmp_path):
     from lightspec_backend.repository import write_model_repository
 

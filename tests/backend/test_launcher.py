@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from lightspec_backend.launcher import TritonServer, free_ports
+from lightspec_backend.launcher import TritonServer, free_ports, ports_in_use
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +29,31 @@ def test_server_command_uses_given_ports(wheel_install, tmp_path):
     ):
         assert flag in cmd
     assert srv.stop() is None  # never started
+
+
+def test_a_port_another_server_listens_on_fails_the_start_before_a_server_spawns(wheel_install, tmp_path):
+    """Another server would answer the readiness check on that port while this one fails to bind it."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        srv = TritonServer(ROOT / "model_repository", cache_dir=tmp_path, grpc_port=port)
+        with pytest.raises(RuntimeError, match=rf"^port in use: --grpc-port={port} \(another server listens there"):
+            srv.start(timeout_s=30)
+        assert srv.process is None
+    # a port whose server went away is free, though the connection it closed is in TIME_WAIT there
+    # (tritonserver's listeners set SO_REUSEADDR, as this one, or its restart could not bind either)
+    with socket.socket() as listener, socket.socket() as client:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client.connect(listener.getsockname())
+        conn, _ = listener.accept()
+        conn.close()  # the server's side closes first: TIME_WAIT on the server's port
+    assert ports_in_use({"--http-port": port}) == []
 
 
 def test_missing_repository_is_reported():

@@ -45,3 +45,27 @@ def test_stop_after_a_server_crash_leaves_no_stub_processes(tmp_path, smoke_mode
         server.stop()
     assert not [s for s in server.stubs() if s.alive]
     assert not list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
+
+
+def test_stop_kills_what_a_crashed_server_leaves_in_its_group_engine_processes_too(tmp_path, smoke_model):
+    """With stages: process the orchestrator's engines run in processes of their own, in the
+    server's process group; hung (stopped) ones outlive a killed server and its stubs."""
+    import os
+    import signal
+
+    from lightspec_backend.launcher import _group_left
+    from lightspec_backend.repository import write_model_repository
+
+    repo = write_model_repository(tmp_path / "repo", {"model_dir": str(smoke_model / "target"), "num_kv_blocks": "8"})
+    server = TritonServer(repo, cache_dir=tmp_path / "cache").start(timeout_s=300)
+    try:
+        stubs = {s.pid for s in server.stubs()}
+        engines = [p for p in _group_left(server.pid) if p not in stubs and p != server.pid]
+        assert engines, "stages: process runs the engine in a process of its own"
+        for pid in engines:
+            os.kill(pid, signal.SIGSTOP)  # a hung engine
+        os.kill(server.pid, signal.SIGKILL)
+        server.process.wait(30)
+    finally:
+        server.stop()
+    assert _group_left(server.pid) == []
