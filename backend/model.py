@@ -144,14 +144,15 @@ def _process_engine(config, control):
 
     n = config.engine_processes()
     if n == 1:
-        engine = EngineProcess(config.engine, on_exit=on_exit)
+        engine = EngineProcess(config.engine, on_exit=on_exit, stall_timeout_s=config.stage_timeout_s)
         pb_utils.Logger.log_info(f"[lightspec] engine and stages in process {engine.pid}")
         return engine
     from lightspec_backend.params import available_cpus
 
     from lightspec_core.engine.shards import EngineShards
 
-    engine = EngineShards(config.engine, n, config.engine.num_threads or available_cpus(), on_exit=on_exit)
+    threads = config.engine.num_threads or available_cpus()
+    engine = EngineShards(config.engine, n, threads, on_exit=on_exit, stall_timeout_s=config.stage_timeout_s)
     pb_utils.Logger.log_info(f"[lightspec] {n} engine processes (data_parallel_size): {engine.pids}")
     return engine
 

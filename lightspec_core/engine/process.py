@@ -96,7 +96,10 @@ class EngineProcess:
         stats_interval_s: float = 0.25,
         on_exit: Callable[[str], None] | None = None,
         start_timeout_s: float = 600.0,
+        stall_timeout_s: float = 0.0,
     ):
+        """``stall_timeout_s`` (0: none): a child holding requests that sends nothing for this long is
+        hung (a deadlock, a stopped process): it is killed, and handled as a child that died."""
         # a fresh interpreter running this module, not multiprocessing's spawn, which re-runs the
         # parent's main module (a user's script, or whatever Triton's stub calls its main)
         ours, theirs = socket.socketpair()
@@ -111,6 +114,8 @@ class EngineProcess:
         self._unfinished: set[str] = set()
         self._failed: list[tuple[str, str]] = []
         self._step_error: str | None = None  # a child's step failure, raised once its deltas are out
+        self.stall_timeout_s = stall_timeout_s
+        self._heard = time.monotonic()  # the child's last message, or when it was given work while idle
         ready = self._wait_ready(start_timeout_s)
         self.config, self.max_model_len = ready["config"], ready["max_model_len"]
         target_dir = resolve_dirs(config)[0]
@@ -162,6 +167,8 @@ class EngineProcess:
         except ValueError:
             self.stats.count_rejected()
             raise
+        if not self._unfinished:
+            self._heard = time.monotonic()  # an idle child is silent: its clock starts with the work
         self._unfinished.add(request_id)
         if self._dead is not None:
             self._failed.append((request_id, self._dead))  # answered by the next step
@@ -184,8 +191,13 @@ class EngineProcess:
         return self._dead is None and self._proc.poll() is None
 
     def waits_for_child(self) -> bool:
-        """Whether :meth:`step` would wait for the child (False: it answers from what it knows)."""
-        return self._dead is None and not self._failed and self._step_error is None
+        """Whether :meth:`step` would wait for the child (False: it answers from what it knows,
+        or finds it hung)."""
+        return self._dead is None and not self._failed and self._step_error is None and not self._stalled()
+
+    def _stalled(self) -> bool:
+        quiet = time.monotonic() - self._heard
+        return self.stall_timeout_s > 0 and bool(self._unfinished) and quiet > self.stall_timeout_s
 
     def set_threads(self, n: int) -> None:
         """The child's engine computes its next calls on ``n`` intra-op threads (see
@@ -236,10 +248,14 @@ class EngineProcess:
         """What the child sent since the last call, waiting for its next message if it sent none
         (or until it is found dead)."""
         deltas: list[RequestDelta] = []
-        while not self._conn.poll(1.0):
+        while not self._conn.poll(min(1.0, self.stall_timeout_s or 1.0)):
             if self._proc.poll() is not None:
                 self._died()
                 return deltas
+            if self._stalled():
+                self._kill_hung()
+                return deltas
+        self._heard = time.monotonic()
         try:
             while self._step_error is None:
                 kind, *payload = self._conn.recv()
@@ -278,6 +294,16 @@ class EngineProcess:
             self._proc.wait(1.0)
         self._dead = _exit_message(self._proc.returncode)
         self._tell_exit(self._dead)
+
+    def _kill_hung(self) -> None:
+        """The child sent nothing for ``stall_timeout_s`` while it held requests: killed, it ends
+        them UNAVAILABLE (see :meth:`step`) and is reported, as a child that died."""
+        self._dead = f"the engine process is unavailable: it sent nothing in {self.stall_timeout_s:g} s (hung: killed)"
+        log.error("%s", self._dead)
+        self._tell_exit(self._dead)
+        self._proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(5.0)
 
     def _watch(self) -> None:
         code = self._proc.wait()

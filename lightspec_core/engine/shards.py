@@ -92,9 +92,11 @@ class EngineShards:
         *,
         on_exit: Callable[[str], None] | None = None,
         start_timeout_s: float = 600.0,
+        stall_timeout_s: float = 0.0,
     ):
         """``threads``: the intra-op threads the shards share (each loads with all of them: the
-        stage profile is taken on idle cores, one shard after the other)."""
+        stage profile is taken on idle cores, one shard after the other); ``stall_timeout_s``: see
+        :class:`EngineProcess`."""
         if n < 1:
             raise ValueError(f"data_parallel_size={n}: must be at least 1")
         self._total_threads = max(1, threads)
@@ -102,7 +104,10 @@ class EngineShards:
         self.shards: list[EngineProcess] = []
         try:
             for _ in range(n):
-                self.shards.append(EngineProcess(config, on_exit=on_exit, start_timeout_s=start_timeout_s))
+                shard = EngineProcess(
+                    config, on_exit=on_exit, start_timeout_s=start_timeout_s, stall_timeout_s=stall_timeout_s
+                )
+                self.shards.append(shard)
         except BaseException:
             self.close()
             raise

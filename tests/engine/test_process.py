@@ -3,6 +3,7 @@ prompts here, and a child that dies ends its requests, and later ones, with an e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -148,6 +149,40 @@ def test_a_child_that_dies_fails_its_requests_and_every_later_one(smoke_model):
         assert later.request_id == "b" and later.finish_reason == "error" and "exited" in later.error
         assert not engine.has_unfinished() and len(exits) == 1
     finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_hung_child_is_killed_after_the_stall_timeout_and_fails_its_requests(smoke_model, shards):
+    """A child that stops answering (a deadlock; here SIGSTOP) while it holds requests: they end
+    UNAVAILABLE-tagged after stall_timeout_s, the fault is reported once, the child is gone; with
+    two shards the other one serves on."""
+    from lightspec_core.engine.shards import EngineShards
+
+    exits: list[str] = []
+    config = EngineConfig(model_dir=str(smoke_model / "target"), speculation="none")
+    if shards == 1:
+        engine = EngineProcess(config, on_exit=exits.append, stall_timeout_s=2.0)
+        hung = engine
+    else:
+        engine = EngineShards(config, 2, 2, on_exit=exits.append, stall_timeout_s=2.0)
+        hung = engine.shards[0]
+    try:
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        for i in range(2 * shards):
+            engine.add_request(f"r{i}", PROMPTS[i % len(PROMPTS)], params)
+        engine.step()
+        os.kill(hung.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        finals = [d for d in steps_until_done(engine, timeout_s=60) if d.finished]
+        message = "the engine process is unavailable: it sent nothing in 2 s (hung: killed)"
+        assert exits == [message] and hung._proc.poll() is not None
+        failed = [d for d in finals if d.finish_reason == "error"]
+        assert failed and all(d.error == message for d in failed) and time.monotonic() - t0 < 30
+        assert len(finals) == 2 * shards and (shards == 1 or len(failed) < len(finals))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung.pid, signal.SIGCONT)
         engine.close()
 
 
