@@ -118,7 +118,8 @@ class Supervisor:
                     raise
                 time.sleep(1.0)
         self.recovering = False
-        self.log(f"tritonserver is serving again (pid {self.server.pid})")
+        # a restarted server logs to a new file: the one printed at the start is the dead server's
+        self.log(f"tritonserver is serving again (pid {self.server.pid}, log {self.server.log_file})")
 
     def _let_answers_out(self) -> None:
         """Before a restart for a stage fault: wait (at most ``settle_s`` each) for the orchestrator's

@@ -16,6 +16,7 @@ class RecordingServer:
     base_env = None
     http_port = grpc_port = metrics_port = 0
     pid = 0
+    log_file = "/logs/tritonserver-1.log"
 
     def __init__(self):
         self.killed_at: float | None = None
@@ -70,6 +71,15 @@ def test_a_stage_fault_restarts_the_server_only_after_the_orchestrator_answered_
     assert "answered" in times and server.killed_at is not None
     assert server.killed_at >= times["answered"]  # a fixed pause after the report killed at ~0.25 s
     assert sup.restarts == 1 and not sup.recovering
+
+
+def test_a_restart_names_the_new_servers_log(tmp_path):
+    server, lines = RecordingServer(), []
+    sup = Supervisor(server, tmp_path / "control", log=lines.append)
+    sup.start()
+    server.log_file = "/logs/tritonserver-2.log"  # each start writes a new file
+    sup.recover(Fault("tritonserver exited", stage_answered=False))
+    assert lines[-1] == "tritonserver is serving again (pid 0, log /logs/tritonserver-2.log)"
 
 
 def test_an_orchestrator_that_never_answers_delays_the_restart_by_a_bounded_time(tmp_path):
