@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import threading
 import traceback
+import uuid
 
 import numpy as np
 
 from .conventions import drop_forwarded_headers, load_parameters, parse_request_parameters, stream_parameter
+from .responses import FRONT_REQUEST_PREFIX, inband_error_of
 from .tensors import OUTPUTS
 
 OUTPUT_NAMES = [s.name for s in OUTPUTS]
@@ -172,7 +174,10 @@ class BatchedFront:
         names = sorted(set(wanted) | {"finish_reason"}) if wanted else OUTPUT_NAMES
         params = bls_parameters(sent)
         kwargs = {"parameters": params} if params else {}
-        bls = pb.InferenceRequest(model_name=self.target, inputs=inputs, requested_output_names=names, **kwargs)
+        rid = FRONT_REQUEST_PREFIX + uuid.uuid4().hex  # its errors come in band (see FRONT_REQUEST_PREFIX)
+        bls = pb.InferenceRequest(
+            model_name=self.target, inputs=inputs, requested_output_names=names, request_id=rid, **kwargs
+        )
         return bls, set(wanted or OUTPUT_NAMES)
 
     def _forward(self, bls, wanted: set[str], sender) -> None:
@@ -192,6 +197,12 @@ class BatchedFront:
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
             if not outputs:
                 continue  # the stream's empty final response
+            if (error := inband_error_of(outputs)) is not None:
+                code, message = error
+                err = pb.TritonError(message, getattr(pb.TritonError, code, pb.TritonError.INTERNAL))
+                sender.send(pb.InferenceResponse(output_tensors=[], error=err), flags=final)
+                open_ = False
+                continue
             last = is_last(outputs)
             if sender.is_cancelled():
                 sender.send(flags=final)

@@ -30,7 +30,7 @@ from .bls import is_unavailable
 from .control import ControlDir, Drain
 from .inputs import name_prompt_error, parse_request, request_parameters, requested_outputs
 from .metrics import MetricsReporter
-from .responses import Entry, ErrorReply, RequestState, ResponseThreads, build_response
+from .responses import Entry, ErrorReply, RequestState, ResponseThreads, build_response, send_error
 
 _STOP = object()
 
@@ -302,8 +302,7 @@ class Orchestrator:
         pb = self.pb
         final_flag = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if isinstance(payload, ErrorReply):
-            err = pb.TritonError(payload.message, getattr(pb.TritonError, payload.code))
-            entry.sender.send(pb.InferenceResponse(output_tensors=[], error=err), flags=final_flag)
+            send_error(pb, entry, payload)
             return True
         delta = payload
         # before the error branch: once the unload began, the stages refuse this model's calls, and a

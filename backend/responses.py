@@ -21,6 +21,42 @@ from lightspec_core.engine.outputs import RequestDelta
 from .inputs import GenerateRequest
 from .tensors import OUTPUT_SPECS, PERF_OUTPUTS
 
+# The batched front's BLS requests carry ids with this prefix, and get their errors in band: a data
+# response whose finish_reason is "error:<CODE>:<message>", which the front turns back into the
+# error. In Triton 2.51 an error response sent to a decoupled BLS caller from the orchestrator's
+# response thread never reaches the caller's response iterator (an error sent inside execute does),
+# so a drain's CANCELLED or a failed step's INTERNAL left the front's clients waiting.
+FRONT_REQUEST_PREFIX = "lightspec_batched/"
+_INBAND = "error:"
+
+
+def inband_error(code: str, message: str) -> dict[str, np.ndarray]:
+    return {"finish_reason": np.array([f"{_INBAND}{code}:{message}".encode()], dtype=object)}
+
+
+def send_error(pb, entry: Entry, reply: ErrorReply) -> None:
+    """The request's final answer, an error: in band to the batched front (FRONT_REQUEST_PREFIX)."""
+    final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    if entry.inband_errors:
+        tensors = [pb.Tensor(n, a) for n, a in inband_error(reply.code, reply.message).items()]
+        entry.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final)
+    else:
+        err = pb.TritonError(reply.message, getattr(pb.TritonError, reply.code))
+        entry.sender.send(pb.InferenceResponse(output_tensors=[], error=err), flags=final)
+
+
+def inband_error_of(outputs: dict[str, np.ndarray]) -> tuple[str, str] | None:
+    """(code, message) of an in-band error response, else None."""
+    reason = outputs.get("finish_reason")
+    if reason is None or reason.size != 1:
+        return None
+    value = reason.reshape(-1)[0]
+    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    if not text.startswith(_INBAND):
+        return None
+    code, _, message = text[len(_INBAND) :].partition(":")
+    return code, message
+
 
 @dataclass
 class RequestState:
@@ -66,6 +102,7 @@ class Entry:
     state: RequestState
     sender: object  # pb_utils InferenceResponseSender
     request: object  # pb_utils InferenceRequest, for is_cancelled()
+    inband_errors: bool = field(init=False)  # the batched front's request (see FRONT_REQUEST_PREFIX)
     abort_queued: bool = False
     cancel_message: str = ""  # set when the drain deadline cancels it: its final is CANCELLED
     shutting_down: bool = False
@@ -76,6 +113,10 @@ class Entry:
     # Serialises is_cancelled() with send(): in Triton 2.51, is_cancelled() on a sender whose FINAL
     # response went out (or is going out) reads a freed response factory and crashes the server.
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        rid = getattr(self.request, "request_id", None)  # pb_utils requests have it; a stand-in may not
+        self.inband_errors = callable(rid) and str(rid()).startswith(FRONT_REQUEST_PREFIX)
 
     @property
     def id(self) -> str:

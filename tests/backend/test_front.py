@@ -197,3 +197,41 @@ def test_a_cancelled_client_gets_its_final_response_at_once_and_the_stream_is_re
         time.sleep(0.02)
     front.finalize()
     assert given[-1] == "end" and request.sender.sends_after_final == 0
+
+
+def test_an_error_lightspec_sends_in_band_reaches_the_client_as_that_error():
+    """The front's BLS requests carry the prefix by which the orchestrator answers their errors in
+    band (Triton 2.51 loses an error response sent to a BLS caller from a response thread)."""
+    from lightspec_backend.responses import FRONT_REQUEST_PREFIX, ErrorReply, inband_error
+
+    pb, seen = FakePbUtils(), {}
+    message = "request cancelled: the server shut down (grace period over)"
+
+    def stream():
+        yield FakeResponse([FakeTensor("text_output", np.array([b"t"], dtype=object))])
+        yield FakeResponse([FakeTensor(n, a) for n, a in inband_error("CANCELLED", message).items()])
+        yield FakeResponse([])
+
+    def request(**kw):
+        seen.update(kw)
+        return SimpleNamespace(exec=lambda decoupled: stream())
+
+    pb.InferenceRequest = request
+    front = BatchedFront(pb, "lightspec")
+    client = WatchedRequest()
+    front.execute([client])
+    assert client.sender.wait_final()
+    front.finalize()
+    assert seen["request_id"].startswith(FRONT_REQUEST_PREFIX)
+    error = client.sender.final.error()
+    assert (error.code(), error.message()) == (pb.TritonError.CANCELLED, message)
+    assert len(client.sender.data()) == 1 and client.sender.sends_after_final == 0
+    # the orchestrator's side: an entry of the front's answers its errors so, any other as errors
+    from lightspec_backend.responses import Entry, RequestState, send_error
+
+    for rid, inband in ((FRONT_REQUEST_PREFIX + "x", True), ("client-id", False)):
+        sender = FakeSender()
+        entry = Entry(RequestState("ls-1", None), sender, SimpleNamespace(request_id=lambda r=rid: r))
+        send_error(pb, entry, ErrorReply("CANCELLED", message))
+        response, flags = sender.sent[-1]
+        assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and response.has_error() is not inband
