@@ -60,33 +60,34 @@ class StubProcess:
         return self.state not in "ZX"
 
 
-def stub_processes(server_pid: int) -> list[StubProcess]:
-    """Python backend stubs in the server's process group (``start_new_session`` made the server's
-    pid the group id; the group cannot be reused while a member lives), zombies included. The stub's
-    command line is ``stub model.py shm_region shm_size growth parent_pid lib_dir ipc_handle name``."""
-    out = []
+def _group(server_pid: int):
+    """(pid, command name, /proc state) of each process in the server's process group
+    (``start_new_session`` made the server's pid the group id; the group cannot be reused while a
+    member lives), zombies included."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             text = stat.read_text()
-            comm = text[text.index("(") + 1 : text.rindex(")")]
             state, _, pgrp = text[text.rindex(")") + 2 :].split()[:3]
-            if int(pgrp) == server_pid and comm.startswith("triton_python"):
-                argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
-                out.append(StubProcess(int(stat.parent.name), argv[8] if len(argv) > 8 else "?", state))
+            if int(pgrp) == server_pid:
+                yield int(stat.parent.name), text[text.index("(") + 1 : text.rindex(")")], state
+
+
+def stub_processes(server_pid: int) -> list[StubProcess]:
+    """Python backend stubs in the server's process group, zombies included. The stub's command line
+    is ``stub model.py shm_region shm_size growth parent_pid lib_dir ipc_handle name``."""
+    out = []
+    for pid, comm, state in _group(server_pid):
+        if comm.startswith("triton_python"):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                out.append(StubProcess(pid, argv[8] if len(argv) > 8 else "?", state))
     return out
 
 
 def _group_left(server_pid: int) -> list[int]:
     """Live processes still in a stopped server's process group: its Python backend stubs (they
     ignore SIGTERM) and what they started, such as an orchestrator's engine processes."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat.read_text()
-            state, _, pgrp = text[text.rindex(")") + 2 :].split()[:3]
-            if int(pgrp) == server_pid and state not in "ZX":
-                out.append(int(stat.parent.name))
-    return out
+    return [pid for pid, _, state in _group(server_pid) if state not in "ZX"]
 
 
 PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
