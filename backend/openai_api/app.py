@@ -168,8 +168,7 @@ async def _events(endpoint: str, rid: str, model: str, body, firsts: list[Chunk]
         yield _event(e.body())
     finally:
         await merged.aclose()
-        for s in streams:
-            await s.aclose()
+        await _close(streams)
     yield b"data: [DONE]\n\n"
 
 

@@ -88,11 +88,12 @@ def verify_coupled(draft_ids: list[int], p: np.ndarray, noise: Callable[[int], n
     whatever the drafts were: a seeded request's (see ``keyed_noise``).
 
     draft_ids [k]; p [k+1, V] as in :func:`verify_rejection`; ``noise(j)``: the exponentials [V] of
-    the j-th of those output positions (asked for only up to the first rejection). The token at position j is ``race(p_j, noise_j)``, exactly distributed as p_j;
-    draft x_j is accepted when it is that token. Each emitted token is the one decoding without drafts
-    would draw there, so a seeded request's output does not change with the speculation method, its
-    draft lengths or its batch (up to float rounding of p between batch shapes, which changes a race
-    only where two tokens finish within that rounding of each other).
+    the j-th of those output positions (asked for only up to the first rejection). The token at
+    position j is ``race(p_j, noise(j))``, exactly distributed as p_j; draft x_j is accepted when it
+    is that token. Each emitted token is the one decoding without drafts would draw there, so a
+    seeded request's output does not change with the speculation method, its draft lengths or its
+    batch (up to float rounding of p between batch shapes, which changes a race only where two
+    tokens finish within that rounding of each other).
 
     The price is acceptance: a draft is accepted with probability P(race(p_j) = x_j), not
     min(1, p_j/q_j) summed. For a deterministic draft (n-gram, q a point mass) both are p_j(x_j). A
